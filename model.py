@@ -1,0 +1,217 @@
+"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, SmolLM2) in plain PyTorch.
+
+Shape legend used in the comments:
+  B batch, T tokens in this call, S key positions (cache length), C model width,
+  H query heads, K key/value heads (GQA: H is a multiple of K), D head dim, V vocab.
+Loading and converting checkpoints lives in load.py; the KV cache in kvcache.py.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kvcache import KVCache, LayerKVCache
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    hidden_dim: int  # width of the SwiGLU MLP
+    n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
+    head_dim: int | None = None  # None: dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", ...} as in HF config.json
+    rope_freq_factors: tuple[float, ...] | None = None  # GGUF `rope_freqs`: inv_freq is divided by these
+    max_seq_len: int = 4096  # the model's context length
+    sliding_window: int | None = None  # Mistral: a query sees only the last `sliding_window` keys
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+        assert self.n_heads % self.n_kv_heads == 0, f"{self.n_heads} heads vs {self.n_kv_heads} kv heads"
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        """Fill from a Hugging Face config.json (LlamaForCausalLM or MistralForCausalLM)."""
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        if archs[0] not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(ARCHITECTURES)}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; supported: 'silu'")
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise ValueError("unsupported config: attention_bias/mlp_bias must be false")
+        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older ones `rope_scaling` + `rope_theta`.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=cfg["num_attention_heads"],
+            hidden_dim=cfg["intermediate_size"],
+            n_kv_heads=cfg.get("num_key_value_heads"),
+            head_dim=cfg.get("head_dim"),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
+            max_seq_len=cfg.get("max_position_embeddings", 4096),
+            sliding_window=cfg.get("sliding_window") if archs[0] == "MistralForCausalLM" else None,
+            tie_embeddings=cfg.get("tie_word_embeddings", False),
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Per-pair rotation frequencies (D/2,), with the checkpoint's rope scaling applied."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = args.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif scaling.get("rope_type") == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    if args.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) by position. Half-rotation layout: dim i pairs with i + D/2
+    (Hugging Face's layout; load.py converts GGUF's interleaved q/k rows to it)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, D/2)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """(T, S) boolean mask, True where query at q_pos may attend the key at k_pos."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask = mask & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+    return mask
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 even for bf16/fp16 activations, as the reference implementation does.
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(input_pos, k, v)  # (B, K, S, D): every slot, the mask hides unwritten ones
+        # enable_gqa lets each group of H/K query heads share one kv head without copying the cache.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
+        h = x + self.self_attn(self.input_layernorm(x), input_pos, cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """Parameter names follow Hugging Face's (without the `model.` prefix), so loading is a plain mapping."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.reset_rope()
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the cos/sin tables, e.g. after the model was built on the meta device."""
+        device = device or self.embed_tokens.weight.device
+        positions = torch.arange(self.args.max_seq_len, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, rope_inv_freq(self.args).to(device))  # (max_seq_len, D/2)
+        self.register_buffer("rope_cos", freqs.cos(), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin(), persistent=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor,
+        cache: KVCache | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """tokens (B, T) at positions input_pos (T,). With a cache, keys/values are written to it at
+        input_pos and attention covers every cached position; without one, only these T tokens.
+        Returns float32 logits (B, T, V), or (B, 1, V) for the last position unless all_logits."""
+        x = self.embed_tokens(tokens)  # (B, T, C)
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, D/2)
+        k_pos = input_pos if cache is None else torch.arange(cache.max_seq_len, device=tokens.device)
+        mask = attention_mask(input_pos, k_pos, self.args.sliding_window)  # (T, S)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, input_pos, cos, sin, mask, None if cache is None else cache.layers[i])
+        if not all_logits:
+            x = x[:, -1:]  # (B, 1, C): generation only needs the next-token distribution
+        return self.lm_head(self.norm(x)).float()  # (B, T or 1, V)

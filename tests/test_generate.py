@@ -1,0 +1,63 @@
+"""The generation loop against a plain uncached loop, its stopping rules, and the compiled decode step."""
+import pytest
+import torch
+
+from generate import compile_decode, decode_one, generate
+from tiny_models import hf_to_ours, make_hf
+
+torch.set_grad_enabled(False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hf_to_ours(make_hf("llama-gqa"))
+
+
+def greedy_uncached(model, prompt: list[int], n: int) -> list[int]:
+    """The simplest possible decoder: rerun the whole sequence for every new token."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(model(torch.tensor([seq]), torch.arange(len(seq)))[0, -1].argmax().item())
+    return seq[len(prompt):]
+
+
+def test_greedy_matches_uncached_loop(model):
+    prompt = [5, 17, 42, 99, 3]
+    assert list(generate(model, prompt, 40)) == greedy_uncached(model, prompt, 40)
+
+
+def test_stops_after_stop_id(model):
+    prompt = [5, 17, 42, 99, 3]
+    full = list(generate(model, prompt, 40))
+    stop = full[10]
+    got = list(generate(model, prompt, 40, stop_ids=[stop]))
+    assert got == full[: full.index(stop) + 1]
+
+
+def test_stops_at_context_limit(model):
+    context = model.args.max_seq_len  # 256
+    prompt = list(range(1, 151)) + list(range(1, 101))  # 250 tokens
+    got = list(generate(model, prompt, 100))
+    # The last position (context - 1) can be fed, so its logits give one more token: context - len + 1.
+    assert len(got) == context - len(prompt) + 1
+    assert got == greedy_uncached(model, prompt, len(got))
+
+
+def test_prompt_longer_than_context(model):
+    with pytest.raises(ValueError, match="the prompt is 256 tokens, longer than the model's context of 255"):
+        list(generate(model, [1] * 256, 10))
+
+
+def test_seeded_sampling_is_reproducible(model):
+    def run(seed):
+        return list(generate(model, [1, 2, 3], 30, temperature=1.0, top_p=0.9,
+                             generator=torch.Generator().manual_seed(seed)))
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_compiled_decode_matches_eager(model):
+    prompt = [7, 8, 9, 10]
+    eager = list(generate(model, prompt, 24, decode_step=decode_one))
+    compiled = list(generate(model, prompt, 24, decode_step=compile_decode(torch.device("cpu"))))
+    assert compiled == eager

@@ -1,0 +1,128 @@
+"""The model against Hugging Face transformers on random weights, and its cached paths against the uncached one."""
+import pytest
+import torch
+
+from kvcache import KVCache
+from model import ModelArgs, Transformer, attention_mask
+from tiny_models import CONFIGS, SEQ_LEN, hf_to_ours, make_hf, reference_attention
+
+torch.set_grad_enabled(False)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request):
+    hf = make_hf(request.param)
+    return hf, hf_to_ours(hf)
+
+
+def tokens(batch: int = 1, seq: int = SEQ_LEN, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 160, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def decode_all(model: Transformer, toks: torch.Tensor, prefill: int, cache_len: int | None = None) -> torch.Tensor:
+    """Prefill `prefill` tokens, then feed the rest one at a time; return all logits (B, T, V)."""
+    B, T = toks.shape
+    cache = KVCache.for_model(model.args, B, cache_len or T, torch.float32, "cpu")
+    out = [model(toks[:, :prefill], torch.arange(prefill), cache, all_logits=True)]
+    for i in range(prefill, T):
+        out.append(model(toks[:, i:i + 1], torch.tensor([i]), cache))
+    return torch.cat(out, dim=1)
+
+
+def test_full_forward_matches_transformers(pair):
+    hf, ours = pair
+    toks = tokens(batch=2)
+    ref = hf(toks).logits
+    got = ours(toks, torch.arange(SEQ_LEN), all_logits=True)
+    assert ref.abs().max() > 1.0  # logits large enough for the tolerance to mean something
+    assert (got - ref).abs().max() <= 1e-4
+
+
+def test_cached_decode_matches_transformers(pair):
+    """Token by token with the cache (for Mistral: the sliding window applied in decode too)."""
+    hf, ours = pair
+    toks = tokens()
+    ref = hf(toks).logits
+    assert (decode_all(ours, toks, prefill=1) - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("prefill", [1, 37])
+def test_cached_equals_uncached(pair, prefill):
+    _, ours = pair
+    toks = tokens(batch=2)
+    full = ours(toks, torch.arange(SEQ_LEN), all_logits=True)
+    # A cache longer than needed: unwritten slots must stay invisible.
+    assert (decode_all(ours, toks, prefill, cache_len=SEQ_LEN + 20) - full).abs().max() <= 1e-5
+
+
+def test_chunked_prefill_equals_one_prefill(pair):
+    _, ours = pair
+    toks = tokens()
+    one = ours(toks, torch.arange(SEQ_LEN), KVCache.for_model(ours.args, 1, SEQ_LEN, torch.float32, "cpu"),
+               all_logits=True)
+    cache = KVCache.for_model(ours.args, 1, SEQ_LEN, torch.float32, "cpu")
+    first = ours(toks[:, :29], torch.arange(29), cache, all_logits=True)
+    second = ours(toks[:, 29:], torch.arange(29, SEQ_LEN), cache, all_logits=True)
+    assert (torch.cat([first, second], dim=1) - one).abs().max() <= 1e-5
+
+
+def test_last_position_logits(pair):
+    _, ours = pair
+    toks = tokens()
+    full = ours(toks, torch.arange(SEQ_LEN), all_logits=True)
+    last = ours(toks, torch.arange(SEQ_LEN))
+    assert last.shape == (1, 1, 160)
+    assert (last[:, 0] - full[:, -1]).abs().max() <= 1e-6
+
+
+def test_batch_rows_are_independent(pair):
+    _, ours = pair
+    toks = tokens(batch=3)
+    batched = ours(toks, torch.arange(SEQ_LEN), all_logits=True)
+    for b in range(3):
+        alone = ours(toks[b:b + 1], torch.arange(SEQ_LEN), all_logits=True)
+        assert (batched[b:b + 1] - alone).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_sdpa_matches_reference_attention(window):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 9, 16, generator=g)  # (B, H, T, D)
+    k = torch.randn(2, 3, 20, 16, generator=g)  # (B, K, S, D)
+    v = torch.randn(2, 3, 20, 16, generator=g)
+    mask = attention_mask(torch.arange(11, 20), torch.arange(20), window)  # (T, S)
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert (got - reference_attention(q, k, v, mask)).abs().max() <= 1e-5
+
+
+def test_sliding_window_mask_counts():
+    mask = attention_mask(torch.arange(10), torch.arange(10), sliding_window=4)
+    assert mask.sum(dim=1).tolist() == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]  # each query sees itself + 3 before
+    assert not mask.triu(1).any()
+
+
+def hf_config(**overrides) -> dict:
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "intermediate_size": 16}
+    return {**cfg, **overrides}
+
+
+def test_config_rope_layouts():
+    """transformers >= 5 writes rope_parameters, older versions rope_scaling + rope_theta."""
+    old = ModelArgs.from_hf_config(hf_config(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0}))
+    new = ModelArgs.from_hf_config(hf_config(rope_parameters={"rope_theta": 500000.0, "rope_type": "linear",
+                                                              "factor": 2.0}))
+    assert old == new
+    assert new.rope_theta == 500000.0 and new.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert ModelArgs.from_hf_config(hf_config(rope_parameters={"rope_type": "default"})).rope_scaling is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type 'yarn'"),
+    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    ({"attention_bias": True}, "attention_bias"),
+])
+def test_config_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ModelArgs.from_hf_config(hf_config(**overrides))

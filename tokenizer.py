@@ -1,0 +1,318 @@
+"""Tokenizer: text <-> token ids for Hugging Face folders and GGUF files, chat templates, streaming decode.
+
+Every source is turned into one `tokenizers.Tokenizer` backend (the library transformers itself runs on), so
+encode/decode match transformers. BOS/EOS are added here, never by the backend's post-processor, so BOS is
+added exactly once and only when asked.
+"""
+
+import json
+import os
+from functools import lru_cache
+
+# Pre-tokenizer regexes of byte-level BPE vocabularies, by llama.cpp's `tokenizer.ggml.pre` name.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2 splits numbers into single digits
+_BYTE_LEVEL_PRE = {
+    "default": None, "gpt2": None, "gpt-2": None,  # GPT-2's own regex, built into ByteLevel
+    "smollm": "digits",  # SmolLM2's tokenizer.json: each digit alone, then GPT-2's regex
+    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# Token types of GGUF `tokenizer.ggml.token_type` and of sentencepiece's ModelProto (the same enum).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+
+
+class Tokenizer:
+    """Encode/decode with the model's BOS/EOS ids and chat template."""
+
+    def __init__(self, backend, bos_id: int | None, eos_ids: list[int], add_bos: bool,
+                 chat_template: str | None = None, add_eos: bool = False):
+        self.backend = backend  # a tokenizers.Tokenizer
+        self.bos_id = bos_id
+        self.eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
+        self.add_bos = add_bos and bos_id is not None
+        self.add_eos = add_eos and bool(self.eos_ids)  # appends eos_ids[0], the tokenizer's own EOS
+        self.chat_template = chat_template
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token = backend.id_to_token(bos_id) if bos_id is not None else None
+        self.eos_token = backend.id_to_token(self.eos_ids[0]) if self.eos_ids else None
+
+    def encode(self, text: str, bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in it are matched whole. bos=None follows add_bos."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos if bos is None else bos:
+            if self.bos_id is None:
+                raise ValueError("bos=True but this tokenizer has no BOS token")
+            ids = [self.bos_id] + ids
+        if self.add_eos:
+            ids.append(self.eos_ids[0])
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, special tokens included."""
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's Jinja chat template, as transformers' apply_chat_template does."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template; pass a model that ships one")
+        # transformers drops None fields: templates test `'key' in message`, not the value
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        return _compile_template(self.chat_template).render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token, eos_token=self.eos_token)
+
+    def stream(self) -> "StreamDecoder":
+        """A fresh incremental detokenizer."""
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: push ids one at a time, get back the text that is now final.
+
+    Like vLLM's incremental detokenizer, it decodes a window (tokens emitted last time + new ones) and emits the
+    difference, so SentencePiece's first-token space rule and multi-token UTF-8 characters come out right.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # window start: tokens already emitted, decoded again only for context
+        self.read = 0  # tokens before this index have been emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the newly final text (maybe "")."""
+        self.ids.append(int(token_id))
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Return whatever is held back (e.g. an incomplete UTF-8 sequence)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        # A character split over byte tokens decodes to U+FFFD until its last byte arrives.
+        if not final and (len(text) <= len(done) or text.endswith("\ufffd")):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done):]
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load from a Hugging Face folder (tokenizer.json or tokenizer.model) or from a .gguf file alone."""
+    if os.path.isdir(path):
+        return _load_folder(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer path {path!r} does not exist; expected a folder with "
+                                "tokenizer.json or tokenizer.model, or a .gguf file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path!r} is not a GGUF file (magic {magic!r}); pass a .gguf file or a model folder")
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    return tokenizer_from_gguf_metadata(
+        {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+
+
+def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
+    """Build the tokenizer a GGUF file embeds, from its `tokenizer.*` metadata (llama.cpp key names)."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE), "
+                         "'llama' (SentencePiece)")
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ValueError("this GGUF file has no tokenizer.ggml.tokens, so it embeds no tokenizer")
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if kind == "gpt2":
+        backend = _byte_level_backend(tokens, meta["tokenizer.ggml.merges"], types,
+                                      meta.get("tokenizer.ggml.pre", "default"))
+    else:
+        prepend = "first" if meta.get("tokenizer.ggml.add_space_prefix", True) else "never"
+        backend = _sentencepiece_backend(tokens, meta["tokenizer.ggml.scores"], types, prepend)
+    eos = [meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    return Tokenizer(backend, meta.get("tokenizer.ggml.bos_token_id"), eos, add_bos,
+                     meta.get("tokenizer.chat_template"), meta.get("tokenizer.ggml.add_eos_token", False))
+
+
+def _load_folder(path: str) -> Tokenizer:
+    """A Hugging Face folder, read the way transformers 5 reads it."""
+    from tokenizers import Tokenizer as Backend, models
+
+    cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+    json_file, spm_file = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
+    # transformers 5 rebuilds a Llama tokenizer from its class, not from the file's pipeline: '▁' goes before the
+    # text only ("first"), or also after each special token when legacy, as its generic sentencepiece converter does
+    llama = cfg.get("tokenizer_class") in ("LlamaTokenizer", "LlamaTokenizerFast")
+    prepend = "first" if llama and not cfg.get("legacy") else "always"
+    if os.path.isfile(json_file):
+        backend = Backend.from_file(json_file)
+        if llama and isinstance(backend.model, models.BPE):
+            _sentencepiece_pipeline(backend, prepend if cfg.get("add_prefix_space", True) else "never")
+    elif os.path.isfile(spm_file):
+        pieces, scores, types, add_prefix = _read_sentencepiece_model(spm_file)
+        if cfg.get("add_prefix_space") is not None:
+            add_prefix = cfg["add_prefix_space"]
+        backend = _sentencepiece_backend(pieces, scores, types, prepend if add_prefix else "never")
+        cfg = {"bos_token": "<s>", "eos_token": "</s>", **cfg}  # LlamaTokenizer's defaults
+    else:
+        raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in folder {path!r}")
+
+    config = _read_json(os.path.join(path, "config.json"))
+    generation = _read_json(os.path.join(path, "generation_config.json"))
+    bos_token, eos_token = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+    bos_id = backend.token_to_id(bos_token) if bos_token else None
+    if bos_id is None and "bos_token" not in cfg:
+        bos_id = config.get("bos_token_id")
+    eos_ids = [backend.token_to_id(eos_token) if eos_token else None]
+    eos_ids += _as_list(generation.get("eos_token_id")) + _as_list(config.get("eos_token_id"))
+
+    if os.path.isfile(json_file):
+        # transformers ignores add_bos_token/add_eos_token here: tokenizer.json's post-processor decides
+        marked = backend.encode("a", add_special_tokens=True).ids
+        add_bos = bos_id is not None and marked[:1] == [bos_id]
+        add_eos = eos_ids[0] is not None and marked[-1:] == [eos_ids[0]]
+    else:
+        add_bos, add_eos = cfg.get("add_bos_token", False), cfg.get("add_eos_token", False)
+
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja_file):  # what current transformers writes; it wins over tokenizer_config.json
+        with open(jinja_file, encoding="utf-8") as f:
+            template = f.read()
+    return Tokenizer(backend, bos_id, eos_ids, add_bos, template, add_eos)
+
+
+def _byte_level_backend(tokens: list[str], merges: list[str], types: list[int], pre: str):
+    """GPT-2 style byte-level BPE from a GGUF vocabulary and merges."""
+    from tokenizers import Regex, Tokenizer as Backend, decoders, models, pre_tokenizers as pt
+
+    if pre not in _BYTE_LEVEL_PRE:
+        raise ValueError(f"unsupported GGUF tokenizer.ggml.pre {pre!r}; supported: {sorted(_BYTE_LEVEL_PRE)}")
+    split = _BYTE_LEVEL_PRE[pre]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # Llama 3 (and llama.cpp for it) takes a whole word straight from the vocabulary before trying merges
+    model = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=split == _LLAMA3_SPLIT)
+    backend = Backend(model)
+    if split is None or split == "digits":
+        byte_level = pt.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.pre_tokenizer = byte_level if split is None else pt.Sequence(
+            [pt.Digits(individual_digits=True), byte_level])
+    else:
+        backend.pre_tokenizer = pt.Sequence([pt.Split(Regex(split), behavior="isolated"),
+                                             pt.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    _add_special_tokens(backend, tokens, types)
+    return backend
+
+
+def _sentencepiece_backend(pieces: list[str], scores: list[float], types: list[int], prepend: str):
+    """SentencePiece BPE (Llama 2, Mistral) as a `tokenizers` BPE with byte fallback, as transformers builds it."""
+    from tokenizers import Tokenizer as Backend, models
+
+    vocab = {p: i for i, p in enumerate(pieces)}
+    # sentencepiece merges the pair whose result scores highest; rebuild merges in that order
+    normal = {p: i for i, p in enumerate(pieces) if types[i] == _NORMAL}
+    merges = []
+    for piece, i in normal.items():
+        pairs = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in normal and piece[k:] in normal]
+        merges += [(a, b, scores[i]) for a, b in sorted(pairs, key=lambda p: (normal[p[0]], normal[p[1]]))]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    backend = Backend(models.BPE(vocab, [(a, b) for a, b, _ in merges], fuse_unk=True, byte_fallback=True))
+    _sentencepiece_pipeline(backend, prepend)
+    _add_special_tokens(backend, pieces, types)
+    return backend
+
+
+def _sentencepiece_pipeline(backend, prepend: str) -> None:
+    """Spaces as '▁', a '▁' prefix per `prepend` (first/always/never), and the matching decoder."""
+    from tokenizers import decoders, pre_tokenizers
+
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prepend != "never":  # drop the space the prefix added
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+
+
+def _add_special_tokens(backend, tokens: list[str], types: list[int]) -> None:
+    """Match control/unknown tokens (special) and user-defined tokens (not special) whole in text."""
+    from tokenizers import AddedToken
+
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k in (_UNKNOWN, _CONTROL) and t])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types) if k == _USER_DEFINED and t])
+
+
+def _read_sentencepiece_model(path: str) -> tuple[list[str], list[float], list[int], bool]:
+    """(pieces, scores, types, add_dummy_prefix) of a sentencepiece tokenizer.model (a ModelProto)."""
+    from sentencepiece import sentencepiece_model_pb2  # needs protobuf
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(path, "rb") as f:
+        proto.ParseFromString(f.read())
+    model_type = proto.trainer_spec.model_type
+    if model_type != proto.trainer_spec.BPE:
+        raise ValueError(f"{path!r}: sentencepiece model type {proto.trainer_spec.ModelType.Name(model_type)!r} "
+                         "is not supported; only 'BPE' (Llama 2 / Mistral style)")
+    pieces = [p.piece for p in proto.pieces]
+    return pieces, [p.score for p in proto.pieces], [p.type for p in proto.pieces], \
+        proto.normalizer_spec.add_dummy_prefix
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str):
+    """Compile a chat template in the Jinja environment transformers uses."""
+    import datetime
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        # `{% generation %}` only marks assistant text for training masks; render its body unchanged
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters, which would change prompts
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_text(token) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken dict {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]

@@ -20,9 +20,15 @@ class LayerKVCache:
         torch._dynamo.mark_static_address(self.v)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (B, K, T, D) at positions input_pos (T,); return the whole (B, K, S, D) buffers."""
-        self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
-        self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
+        """Write k, v (B, K, T, D) at positions input_pos, (T,) or per row (B, T);
+        return the whole (B, K, S, D) buffers."""
+        if input_pos.dim() == 1:
+            self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
+            self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1), broadcast against (B, T)
+            self.k[rows, :, input_pos] = k.transpose(1, 2).to(self.k.dtype)  # indexed view is (B, T, K, D)
+            self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
         return self.k, self.v
 
 

@@ -102,15 +102,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate (B, H, T, D) by position. Half-rotation layout: dim i pairs with i + D/2
     (Hugging Face's layout; load.py converts GGUF's interleaved q/k rows to it)."""
     x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, D/2)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, D/2), or (B, 1, T, D/2) with per-row positions
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-    """(T, S) boolean mask, True where query at q_pos may attend the key at k_pos."""
-    mask = k_pos[None, :] <= q_pos[:, None]
+    """Boolean mask, True where the query at q_pos may attend the key at k_pos:
+    (T, S) from q_pos (T,), k_pos (S,); (B, T, S) when either has a batch dimension."""
+    q, k = q_pos[..., :, None], k_pos[..., None, :]  # (..., T, 1), (..., 1, S)
+    mask = k <= q
     if sliding_window is not None:
-        mask = mask & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        mask = mask & (k > q - sliding_window)
     return mask
 
 
@@ -203,13 +205,16 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         all_logits: bool = False,
     ) -> torch.Tensor:
-        """tokens (B, T) at positions input_pos (T,). With a cache, keys/values are written to it at
-        input_pos and attention covers every cached position; without one, only these T tokens.
+        """tokens (B, T) at positions input_pos: (T,) shared by all rows, or (B, T) per row (batches of
+        different lengths). With a cache, keys/values are written to it at input_pos and attention covers
+        every cached position; without one, only these T tokens.
         Returns float32 logits (B, T, V), or (B, 1, V) for the last position unless all_logits."""
         x = self.embed_tokens(tokens)  # (B, T, C)
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, D/2)
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, D/2) or (B, T, D/2)
         k_pos = input_pos if cache is None else torch.arange(cache.max_seq_len, device=tokens.device)
-        mask = attention_mask(input_pos, k_pos, self.args.sliding_window)  # (T, S)
+        mask = attention_mask(input_pos, k_pos, self.args.sliding_window)  # (T, S) or (B, T, S)
+        if input_pos.dim() == 2:
+            cos, sin, mask = cos[:, None], sin[:, None], mask[:, None]  # broadcast over heads: (B, 1, T, .)
         for i, layer in enumerate(self.layers):
             x = layer(x, input_pos, cos, sin, mask, None if cache is None else cache.layers[i])
         if not all_logits:

@@ -126,3 +126,27 @@ def test_config_rope_layouts():
 def test_config_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
         ModelArgs.from_hf_config(hf_config(**overrides))
+
+
+def test_per_row_positions_match_single_rows(pair):
+    """Rows of different lengths in one batch: right-padded prefill, then each row decodes at its own
+    position. Pad slots past a row's end are overwritten before any query can see them."""
+    _, ours = pair
+    lengths, new = [7, 30, 18], 12
+    seqs = [tokens(seq=n + new, seed=10 + i)[0] for i, n in enumerate(lengths)]
+    B, T = len(seqs), max(lengths)
+    prompt = torch.zeros(B, T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        prompt[b, :n] = seqs[b][:n]
+    cache = KVCache.for_model(ours.args, B, T + new, torch.float32, "cpu")
+    logits = ours(prompt, torch.arange(T).expand(B, T), cache, all_logits=True)
+    got = [[logits[b, n - 1]] for b, n in enumerate(lengths)]
+    for step in range(new):
+        pos = torch.tensor(lengths)[:, None] + step  # (B, 1)
+        token = torch.stack([seqs[b][n + step] for b, n in enumerate(lengths)])[:, None]
+        out = ours(token, pos, cache)
+        for b in range(B):
+            got[b].append(out[b, -1])
+    for b, n in enumerate(lengths):
+        alone = ours(seqs[b][None], torch.arange(n + new), all_logits=True)[0, n - 1:]
+        assert (torch.stack(got[b]) - alone).abs().max() <= 1e-5

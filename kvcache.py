@@ -7,6 +7,8 @@ from positions by the model, hides slots that are not written yet or are stale.
 """
 import torch
 
+KV_DTYPES = ("model", "int8")
+
 
 class LayerKVCache:
     """One layer's keys and values, (B, K, S, D) each."""
@@ -31,34 +33,79 @@ class LayerKVCache:
             self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
         return self.k, self.v
 
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.k, self.v
+
+
+class Int8LayerKVCache:
+    """One layer's keys and values as int8 (B, K, S, D) with float32 scales (B, K, S, 1): per token, per head."""
+
+    def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device):
+        self.dtype = dtype  # what update() returns
+        shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.v = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.k_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32, device=device)
+        self.v_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32, device=device)
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            torch._dynamo.mark_static_address(t)
+
+    @staticmethod
+    def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, K, T, D) -> int8 codes (B, K, T, D) and scales (B, K, T, 1): x ~= codes * scales."""
+        scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127  # (B, K, T, 1)
+        return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Quantize and write k, v (B, K, T, D) at input_pos, (T,) or per row (B, T);
+        return the whole cache dequantized, (B, K, S, D) in the model dtype."""
+        (kq, ks), (vq, vs) = self.quantize(k), self.quantize(v)
+        if input_pos.dim() == 1:
+            for buf, new in ((self.k, kq), (self.k_scale, ks), (self.v, vq), (self.v_scale, vs)):
+                buf.index_copy_(2, input_pos, new)
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1), broadcast against (B, T)
+            for buf, new in ((self.k, kq), (self.k_scale, ks), (self.v, vq), (self.v_scale, vs)):
+                buf[rows, :, input_pos] = new.transpose(1, 2)  # indexed view is (B, T, K, D or 1)
+        return (self.k.to(self.dtype) * self.k_scale.to(self.dtype),
+                self.v.to(self.dtype) * self.v_scale.to(self.dtype))
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.k, self.v, self.k_scale, self.v_scale
+
 
 class KVCache:
     """Per-layer caches for one batch of sequences. The caller owns positions; nothing here advances."""
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, kv_dtype: str = "model"):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown KV cache dtype {kv_dtype!r}; allowed: {', '.join(KV_DTYPES)}")
         self.max_seq_len = max_seq_len
-        self.layers = [LayerKVCache(batch_size, n_kv_heads, max_seq_len, head_dim, dtype, device)
+        self.batch_size = batch_size
+        layer_cls = Int8LayerKVCache if kv_dtype == "int8" else LayerKVCache
+        self.layers = [layer_cls(batch_size, n_kv_heads, max_seq_len, head_dim, dtype, device)
                        for _ in range(n_layers)]
 
     @classmethod
     def for_model(cls, args, batch_size: int, max_seq_len: int, dtype: torch.dtype,
-                  device: torch.device | str) -> "KVCache":
-        """A cache shaped for ModelArgs `args` holding max_seq_len positions."""
+                  device: torch.device | str, kv_dtype: str = "model") -> "KVCache":
+        """A cache shaped for ModelArgs `args` holding max_seq_len positions; kv_dtype "model" or "int8"."""
         assert max_seq_len <= args.max_seq_len, f"{max_seq_len} vs context {args.max_seq_len}"
-        return cls(args.n_layers, batch_size, args.n_kv_heads, max_seq_len, args.head_dim, dtype, device)
+        return cls(args.n_layers, batch_size, args.n_kv_heads, max_seq_len, args.head_dim, dtype, device, kv_dtype)
 
     def reset(self) -> None:
         for layer in self.layers:
-            layer.k.zero_()
-            layer.v.zero_()
+            for t in layer.buffers():
+                t.zero_()
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+        """All buffers, int8 scales included."""
+        return sum(t.nbytes for layer in self.layers for t in layer.buffers())
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (k and v) x layers x kv heads x head dim x element size, per sequence."""
-        k = self.layers[0].k
-        return 2 * len(self.layers) * k.shape[1] * k.shape[3] * k.element_size()
+        """Bytes one position of one sequence takes across layers: 2 (k and v) x layers x kv heads x
+        (head dim x element size, + 4 for the float32 scale when int8)."""
+        return self.nbytes // (self.batch_size * self.max_seq_len)

@@ -3,12 +3,17 @@
 Loading is strict: every expected tensor present, nothing unexpected, every shape checked.
 The model is built on the meta device and each tensor is read (safetensors: memory-mapped),
 converted and assigned one at a time, so peak memory stays near the final weight bytes.
+
+Quantization happens here too, tensor by tensor, so the full-precision model never exists in memory:
+`load_model(..., quantize="int4:64")` quantizes each linear weight as it is read, and a folder written by
+`quantize.py --out` (quantization recorded in its safetensors metadata) is rebuilt with the same modules.
 """
 import json
 import os
 import re
 
 import torch
+import torch.nn as nn
 from tqdm import tqdm
 
 from model import ModelArgs, Transformer
@@ -50,17 +55,25 @@ def resolve_model_path(model: str) -> str:
             f"({type(e).__name__}: {first_line})") from None
 
 
-def load_model(model: str, device: torch.device | str, dtype: torch.dtype,
-               progress: bool = False) -> tuple[Transformer, str]:
-    """Load `model` (HF folder, hub id or .gguf file) onto device in dtype; returns (model, local path)."""
+def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progress: bool = False,
+               quantize: str | None = None, quantize_head: bool = False) -> tuple[Transformer, str]:
+    """Load `model` (HF folder, hub id or .gguf file) onto device in dtype; returns (model, local path).
+    quantize ('int8', 'int4', 'int4:GROUP') quantizes the linear layers (and the head with quantize_head)
+    while loading; a quantized checkpoint loads as saved, and a different `quantize` for it is an error."""
+    if quantize is not None:
+        from quantize import parse_mode
+
+        parse_mode(quantize)  # a bad mode fails before any reading
+    elif quantize_head:
+        raise ValueError("quantize_head (--quantize-head) needs a quantization mode (--quantize)")
     path = resolve_model_path(model)
     if os.path.isdir(path):
-        return load_hf_folder(path, device, dtype, progress), path
+        return load_hf_folder(path, device, dtype, progress, quantize, quantize_head), path
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a GGUF file")
-    return load_gguf(path, device, dtype, progress), path
+    return load_gguf(path, device, dtype, progress, quantize, quantize_head), path
 
 
 def check_tensors(expected: dict[str, tuple], found: dict[str, tuple], source: str) -> None:
@@ -76,11 +89,18 @@ def check_tensors(expected: dict[str, tuple], found: dict[str, tuple], source: s
 
 
 def assign_weights(model: Transformer, state: dict[str, torch.Tensor], device) -> Transformer:
-    """Assign loaded tensors to a meta-device model, tie the head if asked, build the RoPE tables."""
-    if model.args.tie_embeddings:
+    """Assign loaded tensors to a meta-device model, tie the head if asked, build the RoPE tables.
+    A quantized head of a tied model is the one stored matrix; the embedding is its dequantized copy."""
+    tied_float = model.args.tie_embeddings and isinstance(model.lm_head, nn.Linear)
+    if tied_float:
         state["lm_head.weight"] = state["embed_tokens.weight"]
+    elif model.args.tie_embeddings:
+        from quantize import dequantize_state
+
+        dtype = state["norm.weight"].dtype  # the model dtype
+        state["embed_tokens.weight"] = dequantize_state(model.lm_head, state, "lm_head.").to(dtype)
     model.load_state_dict(state, strict=True, assign=True)
-    if model.args.tie_embeddings:
+    if tied_float:
         model.lm_head.weight = model.embed_tokens.weight  # assign made two Parameters; make it one again
     model.reset_rope(device)
     return model.eval().requires_grad_(False)
@@ -88,9 +108,50 @@ def assign_weights(model: Transformer, state: dict[str, torch.Tensor], device) -
 
 def expected_shapes(model: Transformer) -> dict[str, tuple]:
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    if model.args.tie_embeddings:
-        del shapes["lm_head.weight"]  # tied checkpoints store only the embedding
+    if model.args.tie_embeddings:  # tied checkpoints store the matrix once: the embedding, or the quantized head
+        del shapes["lm_head.weight" if isinstance(model.lm_head, nn.Linear) else "embed_tokens.weight"]
     return shapes
+
+
+def quantizer(model: Transformer, quantize: str | None, quantize_head: bool):
+    """Swap a meta model's linears for quantized ones; return convert(name, float tensor) -> {name: tensor}
+    that quantizes a linear's weight into that module's buffers and casts anything else."""
+    targets = {}
+    if quantize is not None:
+        from quantize import swap_linears
+
+        targets = {f"{name}.weight": (name, module)
+                   for name, module in swap_linears(model, quantize, quantize_head).items()}
+        if quantize_head and model.args.tie_embeddings:  # the checkpoint's one matrix feeds the quantized head
+            targets["embed_tokens.weight"] = targets.pop("lm_head.weight")
+
+    def convert(name: str, w: torch.Tensor, device, dtype) -> dict[str, torch.Tensor]:
+        if name not in targets:
+            return {name: w.to(device=device, dtype=dtype)}
+        prefix, module = targets[name]
+        return {f"{prefix}.{k}": v for k, v in module.quantize_weight(w.to(device)).items()}
+
+    return convert
+
+
+def checkpoint_quantization(path: str, files: list[str], quantize: str | None, quantize_head: bool):
+    """The (mode, quantize_head) a quantized folder was saved with, from its safetensors metadata, or None;
+    a `quantize` request that differs from it is an error (the checkpoint's codes cannot be re-quantized)."""
+    from quantize import mode_name, parse_mode, read_quantization
+
+    try:
+        meta = read_quantization(os.path.join(path, files[0]))
+    except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
+        raise ValueError(f"cannot read safetensors file {os.path.join(path, files[0])!r}: {e}") from None
+    if meta is None:
+        return None
+    saved = mode_name(*parse_mode(meta["quantization"] + (f":{meta['group_size']}" if meta["group_size"] else "")))
+    saved_head = meta["quantize_head"] == "true"
+    if quantize is not None and (mode_name(*parse_mode(quantize)), quantize_head) != (saved, saved_head):
+        raise ValueError(f"{path!r} is quantized as {saved}{' with the head' if saved_head else ''}; "
+                         f"requested {quantize}{' with the head' if quantize_head else ''}: drop --quantize "
+                         "to load it as saved, or quantize from the original weights")
+    return saved, saved_head
 
 
 def read_json(path: str) -> dict:
@@ -101,8 +162,10 @@ def read_json(path: str) -> dict:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False) -> Transformer:
-    """A Hugging Face folder: config.json plus model.safetensors or a sharded index."""
+def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False,
+                   quantize: str | None = None, quantize_head: bool = False) -> Transformer:
+    """A Hugging Face folder: config.json plus model.safetensors or a sharded index;
+    a folder quantize.py wrote is rebuilt with its quantized modules."""
     from safetensors import safe_open
 
     config_file = os.path.join(path, "config.json")
@@ -118,13 +181,21 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
     else:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
 
+    for file in files:
+        if not os.path.isfile(os.path.join(path, file)):
+            raise FileNotFoundError(f"safetensors shard {os.path.join(path, file)!r} listed in the index is missing")
+    saved = checkpoint_quantization(path, files, quantize, quantize_head)
+
     with torch.device("meta"):
         model = Transformer(args)
+    if saved is not None:  # build the saved modules first: the file holds their buffers
+        from quantize import swap_linears
+
+        swap_linears(model, *saved)
+        quantize, quantize_head = None, False
     handles, found = {}, {}
     for file in files:
         full = os.path.join(path, file)
-        if not os.path.isfile(full):
-            raise FileNotFoundError(f"safetensors shard {full!r} listed in the index is missing")
         try:
             handles[file] = safe_open(full, framework="pt", device="cpu")
             for key in handles[file].keys():
@@ -132,13 +203,18 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
         except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
             raise ValueError(f"cannot read safetensors file {full!r}: {e}") from None
     check_tensors(expected_shapes(model), {k: v[2] for k, v in found.items()}, path)
+    convert = quantizer(model, quantize, quantize_head)
 
     state = {}
     for name, (file, key, _) in tqdm(found.items(), desc="loading", disable=not progress, unit="tensor"):
         try:
-            state[name] = handles[file].get_tensor(key).to(device=device, dtype=dtype)
+            t = handles[file].get_tensor(key)
         except Exception as e:
             raise ValueError(f"cannot read tensor {key!r} from {file!r}: {e}") from None
+        if not t.is_floating_point():  # quantized codes keep their integer dtype
+            state[name] = t.to(device)
+        else:
+            state.update(convert(name, t, device, dtype))
     return assign_weights(model, state, device)
 
 
@@ -198,8 +274,23 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False) -> Transformer:
-    """A llama-architecture GGUF file, dequantized to dtype with the gguf package."""
+def gguf_dequantize(t, shape: tuple[int, ...], rows: int = 4096) -> torch.Tensor:
+    """A GGUF tensor as float32, dequantized `rows` rows at a time: numpy's temporaries for a large
+    embedding would otherwise be several times its size, and set the peak memory of the whole load."""
+    import gguf
+
+    out = torch.empty(shape, dtype=torch.float32)
+    flat = out.view(shape[0], -1)  # (rows, ...) -> 2-D; the reader's data has one row per torch row
+    for i in range(0, shape[0], rows):
+        block = gguf.quants.dequantize(t.data[i:i + rows], t.tensor_type)  # may be a read-only memory-map view
+        flat[i:i + rows] = torch.from_numpy(block.reshape(flat[i:i + rows].shape).copy())
+    return out
+
+
+def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
+              quantize: str | None = None, quantize_head: bool = False) -> Transformer:
+    """A llama-architecture GGUF file, dequantized to dtype with the gguf package (or, with quantize, from
+    float32 straight to int8/int4 codes)."""
     import gguf
 
     try:
@@ -215,15 +306,13 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False) -> 
         model = Transformer(args)
     # GGUF lists dimensions fastest-first; torch shapes are the reverse.
     check_tensors(expected_shapes(model), {k: tuple(reversed(t.shape.tolist())) for k, t in tensors.items()}, path)
+    convert = quantizer(model, quantize, quantize_head)
 
     state = {}
     for name, t in tqdm(tensors.items(), desc="dequantizing", disable=not progress, unit="tensor"):
         shape = tuple(reversed(t.shape.tolist()))
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-        if not w.flags.writeable:  # float tensors come straight from the read-only memory map
-            w = w.copy()
-        w = torch.from_numpy(w)
+        w = gguf_dequantize(t, shape)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             w = unpermute_qk(w, args.n_heads if "q_proj" in name else args.n_kv_heads)
-        state[name] = w.to(device=device, dtype=dtype)
+        state.update(convert(name, w, device, dtype))
     return assign_weights(model, state, device)

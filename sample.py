@@ -1,11 +1,17 @@
 """Next-token sampling: pure functions of logits and an explicit torch.Generator.
 
-Order: temperature -> top-k -> top-p -> draw. Temperature 0 is greedy (argmax), not a tiny float.
+Order: penalties -> temperature -> top-k -> top-p -> min-p -> draw. Temperature 0 is greedy (argmax of the
+penalized logits), not a tiny float. Shape legend: B rows, V vocab.
 """
+import math
+from dataclasses import dataclass
+
 import torch
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float = 0.0,
+                   repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                   frequency_penalty: float = 0.0) -> None:
     """Raise a ValueError naming the first invalid sampling parameter."""
     if not temperature >= 0:  # also rejects NaN
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
@@ -13,29 +19,102 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {min_p}")
+    if not (repetition_penalty > 0 and math.isfinite(repetition_penalty)):
+        raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {repetition_penalty}")
+    if not -2 <= presence_penalty <= 2:
+        raise ValueError(f"presence_penalty must be in [-2, 2] (0 disables it), got {presence_penalty}")
+    if not -2 <= frequency_penalty <= 2:
+        raise ValueError(f"frequency_penalty must be in [-2, 2] (0 disables it), got {frequency_penalty}")
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """(B, V) logits -> (B, V) probabilities after temperature (> 0), top-k and top-p (nucleus)."""
+@dataclass(frozen=True)
+class SamplingParams:
+    """Every sampling knob, checked when built. The defaults are plain greedy decoding."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self):
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
+                       self.presence_penalty, self.frequency_penalty)
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def token_counts(rows: list[list[int]], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(B, V) float counts of each token id in each row of `rows`."""
+    counts = torch.zeros(len(rows), vocab_size, device=device)
+    for b, ids in enumerate(rows):
+        counts[b].index_add_(0, torch.tensor(ids, dtype=torch.long, device=device), torch.ones(len(ids), device=device))
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor,
+                    repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0) -> torch.Tensor:
+    """(B, V) logits -> penalized (B, V) float logits.
+
+    Repetition penalty (HF/CTRL): the logit of every token in `seen` (prompt and generated, (B, V) bool) is
+    divided by the penalty if positive, multiplied if negative. Presence/frequency (OpenAI), over generated
+    tokens only: logit -= presence * (count > 0) + frequency * count, with `generated` the (B, V) counts.
+    """
+    logits = logits.float()
+    if repetition_penalty != 1.0:
+        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if presence_penalty != 0.0 or frequency_penalty != 0.0:
+        logits = logits - presence_penalty * (generated > 0).float() - frequency_penalty * generated
+    return logits
+
+
+def logits_to_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                       min_p: float = 0.0) -> torch.Tensor:
+    """(B, V) logits -> (B, V) log-probabilities after temperature (> 0), top-k, top-p (nucleus) and min-p,
+    renormalized over the tokens kept; -inf for the tokens removed."""
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1) smallest logit kept
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)  # (B, V)
+        sorted_probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)  # (B, V)
         # Drop a token once the more likely ones already cover top_p; the token crossing it stays.
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+        sorted_drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        drop = torch.zeros_like(sorted_drop).scatter_(-1, order, sorted_drop)  # back to vocab order
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        # Keep tokens at least min_p times as likely as the most likely one (the most likely always stays).
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                    min_p: float = 0.0) -> torch.Tensor:
+    """(B, V) logits -> (B, V) probabilities after temperature (> 0), top-k, top-p and min-p."""
+    return logits_to_logprobs(logits, temperature, top_k, top_p, min_p).exp()
+
+
+def sampled_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                     min_p: float = 0.0) -> torch.Tensor:
+    """(B, V) log-probabilities of the distribution `sample` draws from. Greedy (temperature 0) has no
+    distribution to draw from, so it reports the model's own: log_softmax of the logits, unfiltered."""
+    if temperature == 0:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return logits_to_logprobs(logits, temperature, top_k, top_p, min_p)
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, V) logits -> (B,) token ids."""
+           generator: torch.Generator | None = None, min_p: float = 0.0) -> torch.Tensor:
+    """(B, V) logits (penalties already applied) -> (B,) token ids."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    probs = logits_to_probs(logits, temperature, top_k, top_p, min_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

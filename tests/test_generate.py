@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from generate import compile_decode, decode_one, generate
+from kvcache import KVCache
 from tiny_models import hf_to_ours, make_hf
 
 torch.set_grad_enabled(False)
@@ -56,8 +57,24 @@ def test_seeded_sampling_is_reproducible(model):
     assert run(3) != run(4)
 
 
-def test_compiled_decode_matches_eager(model):
-    prompt = [7, 8, 9, 10]
-    eager = list(generate(model, prompt, 24, decode_step=decode_one))
-    compiled = list(generate(model, prompt, 24, decode_step=compile_decode(torch.device("cpu"))))
-    assert compiled == eager
+def test_compiled_decode_matches_eager_without_recompiling(model):
+    """32 greedy steps: compiled logits equal eager ones; after warm-up, another generation of the
+    same shape must not recompile (error_on_recompile turns a recompile into an exception)."""
+    import torch._dynamo
+
+    def greedy_logits(step, prompt: list[int], n: int) -> torch.Tensor:
+        cache = KVCache.for_model(model.args, 1, len(prompt) + n, torch.float32, "cpu")
+        logits = model(torch.tensor([prompt]), torch.arange(len(prompt)), cache)[:, -1]
+        out = [logits]
+        for pos in range(len(prompt), len(prompt) + n - 1):
+            logits = step(model, logits.argmax(-1, keepdim=True), torch.tensor([pos]), cache)
+            out.append(logits)
+        return torch.cat(out)  # (n, V)
+
+    torch._dynamo.reset()
+    compiled = compile_decode(torch.device("cpu"))
+    eager = greedy_logits(decode_one, [7, 8, 9, 10], 32)
+    assert (greedy_logits(compiled, [7, 8, 9, 10], 32) - eager).abs().max() <= 1e-4
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = greedy_logits(compiled, [11, 12, 13, 14], 32)
+    assert (again - greedy_logits(decode_one, [11, 12, 13, 14], 32)).abs().max() <= 1e-4

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from sample import check_sampling, logits_to_probs, sample
+from sample import (SamplingParams, apply_penalties, check_sampling, logits_to_probs, sample, sampled_logprobs,
+                    token_counts)
 
 PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
 LOGITS = PROBS.log()
@@ -58,6 +59,77 @@ def test_seeded_draws_are_reproducible_and_follow_the_distribution():
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
 ])
 def test_invalid_parameters(kwargs, message):
+    params = dict(temperature=1.0, top_k=0, top_p=1.0) | kwargs
+    with pytest.raises(ValueError, match=message):
+        check_sampling(**params)
+
+
+# Generation controls: min-p and penalties, each against a hand-computed example, and the order of all steps.
+
+def test_min_p():
+    # min-p keeps tokens at least min_p times as likely as the most likely one (0.5 here), then renormalizes.
+    assert torch.allclose(logits_to_probs(LOGITS, 1.0, min_p=0.25), torch.tensor([[0, 0.5, 0.15, 0.3]]) / 0.95)
+    assert torch.allclose(logits_to_probs(LOGITS, 1.0, min_p=0.5), torch.tensor([[0, 0.5, 0, 0.3]]) / 0.8)
+    assert torch.allclose(logits_to_probs(LOGITS, 1.0, min_p=1.0), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    assert torch.allclose(logits_to_probs(LOGITS, 1.0, min_p=0.0), PROBS)
+
+
+def test_min_p_is_relative_to_the_tempered_distribution():
+    # At T=0.5 the odds square: 0.15 vs 0.5 becomes 0.09 of the top, under min_p 0.2; 0.3 becomes 0.36, kept.
+    sharp = torch.softmax(LOGITS / 0.5, -1)[0]
+    expected = torch.tensor([0, sharp[1], 0, sharp[3]]) / (sharp[1] + sharp[3])
+    assert torch.allclose(logits_to_probs(LOGITS, 0.5, min_p=0.2)[0], expected)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5]])
+    seen = torch.tensor([[True, True, False, False]])
+    got = apply_penalties(logits, seen, torch.zeros(1, 4), repetition_penalty=2.0)
+    assert torch.equal(got, torch.tensor([[1.0, -2.0, 0.5, -0.5]]))
+    # A penalty below 1 rewards repetition the same way round.
+    got = apply_penalties(logits, seen, torch.zeros(1, 4), repetition_penalty=0.5)
+    assert torch.equal(got, torch.tensor([[4.0, -0.5, 0.5, -0.5]]))
+
+
+def test_presence_and_frequency_penalties_use_generated_counts():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5]])
+    seen = torch.tensor([[True, True, True, True]])  # the repetition penalty is off: `seen` must not matter
+    generated = torch.tensor([[0.0, 2.0, 1.0, 0.0]])
+    got = apply_penalties(logits, seen, generated, presence_penalty=0.5, frequency_penalty=0.25)
+    # token 1: -1 - 0.5 - 2 * 0.25 = -2;  token 2: 0.5 - 0.5 - 0.25 = -0.25
+    assert torch.equal(got, torch.tensor([[2.0, -2.0, -0.25, -0.5]]))
+
+
+def test_token_counts():
+    counts = token_counts([[1, 3, 3], [0]], 4)
+    assert torch.equal(counts, torch.tensor([[0.0, 1.0, 0.0, 2.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_sampled_logprobs():
+    # Temperature 1 with nothing else: the model's own log_softmax; greedy reports that distribution too.
+    logits = torch.randn(3, 50)
+    assert torch.allclose(sampled_logprobs(logits, 1.0), torch.log_softmax(logits, -1), atol=1e-6)
+    assert torch.allclose(sampled_logprobs(logits, 0.0, top_k=2), torch.log_softmax(logits, -1), atol=1e-6)
+    # Otherwise the processed distribution, -inf where a token was removed.
+    assert torch.allclose(sampled_logprobs(LOGITS, 1.0, top_k=2).exp(), torch.tensor([[0, 0.5 / 0.8, 0, 0.3 / 0.8]]))
+    assert sampled_logprobs(LOGITS, 1.0, top_k=2)[0, 0] == float("-inf")
+
+
+def test_sampling_params_check_on_construction():
+    with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\]"):
+        SamplingParams(min_p=2.0)
+    assert not SamplingParams().penalized and SamplingParams(frequency_penalty=0.1).penalized
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(min_p=2.0), r"min_p must be in \[0, 1\] \(0 disables it\), got 2.0"),
+    (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty must be > 0"),
+    (dict(presence_penalty=3.0), r"presence_penalty must be in \[-2, 2\]"),
+    (dict(frequency_penalty=-2.5), r"frequency_penalty must be in \[-2, 2\]"),
+])
+def test_invalid_control_parameters(kwargs, message):
     params = dict(temperature=1.0, top_k=0, top_p=1.0) | kwargs
     with pytest.raises(ValueError, match=message):
         check_sampling(**params)

@@ -1,0 +1,239 @@
+"""Benchmarks against the roofline, and the capacity-planning arithmetic.
+
+Batch-1 decode reads every weight (and the KV cache) once per token, so its ceiling is
+memory bandwidth / bytes per step; prefill pushes many tokens through each weight read and is
+compute-bound. bench.py measures this machine's bandwidth itself and reports how close decode gets.
+
+  python bench.py --model M [--dtype bfloat16] [--compile] [--batch-size 1] [--prompt-len 32] [--new-tokens 128]
+  python bench.py --shape llama-2-7b --device cuda --compile      # random weights, no download
+  python bench.py --plan --shape llama-2-7b [--memory-gib 80] [--context 4096]
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from generate import DTYPES, compile_decode, decode_one, default_model, pick_device
+from kvcache import KVCache
+from model import ModelArgs, Transformer
+
+# Published shapes, for random-weight runs and capacity plans.
+SHAPES = {
+    "smollm2-135m": ModelArgs(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536,
+                              rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True),
+    "llama-2-7b": ModelArgs(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, hidden_dim=11008, max_seq_len=4096),
+    "llama-3-8b": ModelArgs(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+                            rope_theta=500000.0, max_seq_len=8192),
+    "mistral-7b": ModelArgs(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+                            max_seq_len=32768, rope_theta=1000000.0),
+}
+BYTES_PER_WEIGHT = {"fp32": 4, "bf16/fp16": 2, "int8": 1, "int4": 0.5}
+GiB, KiB = 1024**3, 1024
+
+
+def param_count(args: ModelArgs) -> int:
+    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)  # q, o and k, v
+    mlp = 3 * args.dim * args.hidden_dim
+    norms = (2 * args.n_layers + 1) * args.dim
+    embeddings = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
+    return args.n_layers * (attn + mlp) + norms + embeddings
+
+
+def kv_bytes_per_token(args: ModelArgs, bytes_per_value: float) -> float:
+    """2 (k and v) x layers x kv heads x head dim x bytes, for one sequence."""
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * bytes_per_value
+
+
+def plan(args: ModelArgs, name: str, memory_gib: float, context: int, bandwidth_gbs: float, peak_tflops: float,
+         kv_bytes: float) -> str:
+    """The seeds' arithmetic: what fits in memory_gib, and where decode stops being bandwidth-bound."""
+    n = param_count(args)
+    kv_token = kv_bytes_per_token(args, kv_bytes)
+    lines = [f"capacity plan: {name}, {n / 1e9:.2f} B parameters, memory {memory_gib:g} GiB, context {context}, "
+             f"bandwidth {bandwidth_gbs:g} GB/s, peak {peak_tflops:g} TFLOP/s, KV cache {kv_bytes:g} bytes/value",
+             f"KV cache: {kv_token / KiB:g} KiB/token, {kv_token * context / GiB:.3g} GiB per sequence at "
+             f"{context} tokens",
+             f"{'weights':>10} {'GiB':>8} {'max seqs':>9} {'decode ceiling tok/s (B=1)':>27} {'compute-bound at B':>19}"]
+    for precision, bpw in BYTES_PER_WEIGHT.items():
+        weight_bytes = n * bpw
+        free = memory_gib * GiB - weight_bytes
+        max_seqs = max(0, int(free // (kv_token * context)))
+        ceiling = bandwidth_gbs * 1e9 / weight_bytes  # every weight read once per step
+        # Each step does 2 FLOPs per weight per sequence; it turns compute-bound when that takes longer
+        # than reading the weights: B > peak FLOP/s x bytes per weight / (2 x bandwidth).
+        crossover = peak_tflops * 1e12 * bpw / (2 * bandwidth_gbs * 1e9)
+        lines.append(f"{precision:>10} {weight_bytes / GiB:8.2f} {max_seqs:9d} {ceiling:27.1f} {crossover:19.0f}")
+    return "\n".join(lines)
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = GiB) -> float:
+    """GB/s of a large-tensor read (sum) on device, best of several."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times) / 1e9
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of parameters and buffers read by a decode step (tied weights once, RoPE tables excluded)."""
+    seen, total = set(), 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name.startswith("rope_") or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.nbytes
+    return total
+
+
+@torch.no_grad()
+def run_once(model, decode_step, batch_size: int, prompt_len: int, new_tokens: int, device) -> dict:
+    """One greedy generation from a random prompt; returns prefill and per-step decode timings."""
+    args = model.args
+    cache = KVCache.for_model(args, batch_size, prompt_len + new_tokens, model.embed_tokens.weight.dtype, device)
+    prompt = torch.randint(0, args.vocab_size, (batch_size, prompt_len), device=device)
+    sync(device)
+    t0 = time.perf_counter()
+    logits = model(prompt, torch.arange(prompt_len, device=device), cache)[:, -1]  # prefill
+    token = logits.argmax(-1, keepdim=True)  # (B, 1)
+    sync(device)
+    ttft = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for pos in range(prompt_len, prompt_len + new_tokens - 1):
+        token = decode_step(model, token, torch.tensor([pos], device=device), cache).argmax(-1, keepdim=True)
+    sync(device)
+    return {"ttft": ttft, "tpot": (time.perf_counter() - t1) / (new_tokens - 1), "cache_bytes": cache.nbytes,
+            "kv_per_token": cache.bytes_per_token}
+
+
+def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs: int, compile: bool,
+          bandwidth: float) -> dict:
+    if compile:
+        t0 = time.perf_counter()
+        decode_step = compile_decode(device)
+        run_once(model, decode_step, batch_size, prompt_len, new_tokens, device)  # compiles
+        compile_s = time.perf_counter() - t0
+    else:
+        decode_step, compile_s = decode_one, 0.0
+        run_once(model, decode_step, batch_size, prompt_len, min(new_tokens, 8), device)  # warm-up
+    results = [run_once(model, decode_step, batch_size, prompt_len, new_tokens, device) for _ in range(runs)]
+    ttft = statistics.median(r["ttft"] for r in results)
+    tpot = statistics.median(r["tpot"] for r in results)
+    wbytes = weight_bytes(model)
+    step_bytes = wbytes + results[0]["cache_bytes"]  # the static cache is read whole every step
+    return {
+        "batch_size": batch_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs,
+        "compile_s": compile_s, "ttft_ms": ttft * 1e3, "prefill_tok_s": batch_size * prompt_len / ttft,
+        "tpot_ms": tpot * 1e3, "decode_tok_s": batch_size / tpot, "weight_bytes": wbytes,
+        "kv_bytes_per_token": results[0]["kv_per_token"], "kv_bytes_total": results[0]["cache_bytes"],
+        "achieved_gb_s": step_bytes / tpot / 1e9, "roofline_pct": 100 * step_bytes / tpot / 1e9 / bandwidth,
+    }
+
+
+def print_table(rows: list[dict], header: str, bandwidth: float) -> None:
+    print(header)
+    print(f"measured memory bandwidth: {bandwidth:.1f} GB/s (1 GiB read)")
+    cols = ["batch", "prompt", "TTFT ms", "prefill tok/s", "TPOT ms", "decode tok/s", "weights MB", "KV B/token",
+            "KV MB", "GB/s", "% roofline"]
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join([f"{r['batch_size']}", f"{r['prompt_len']}", f"{r['ttft_ms']:.1f}", f"{r['prefill_tok_s']:.0f}",
+                          f"{r['tpot_ms']:.2f}", f"{r['decode_tok_s']:.1f}", f"{r['weight_bytes'] / 1e6:.1f}",
+                          f"{r['kv_bytes_per_token']}", f"{r['kv_bytes_total'] / 1e6:.1f}",
+                          f"{r['achieved_gb_s']:.1f}", f"{r['roofline_pct']:.0f}%"]))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Decode/prefill benchmark against the memory-bandwidth roofline, "
+                                "and capacity planning (--plan).")
+    p.add_argument("--model", default=None, help="checkpoint (default: the offline SmolLM2 GGUF)")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a published shape instead of --model")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    p.add_argument("--compile", action="store_true", help="compile the decode step (as generate.py --compile)")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--prompt-len", type=int, nargs="+", default=[32])
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=5, help="timed runs; the median is reported")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--plan", action="store_true", help="print the capacity plan for --shape or --model's config")
+    p.add_argument("--memory-gib", type=float, default=80.0, help="memory budget for --plan")
+    p.add_argument("--context", type=int, default=4096, help="tokens per sequence for --plan")
+    p.add_argument("--bandwidth-gbs", type=float, default=None, help="for --plan (default: measured here)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="peak matmul TFLOP/s for --plan "
+                   "(default: H100/H200 dense bf16)")
+    p.add_argument("--kv-bytes", type=float, default=2, help="bytes per KV value for --plan (2 = fp16)")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
+    for name, values in [("--batch-size", args.batch_size), ("--prompt-len", args.prompt_len),
+                         ("--runs", [args.runs])]:
+        if min(values) < 1:
+            raise ValueError(f"{name} must be >= 1, got {min(values)}")
+    if args.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be >= 2 (one prefill token + decode steps), got {args.new_tokens}")
+    device = pick_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.plan:
+        if args.shape is None:
+            raise ValueError("--plan needs --shape (one of: " + ", ".join(sorted(SHAPES)) + ")")
+        bandwidth = args.bandwidth_gbs or measure_bandwidth(device)
+        print(plan(SHAPES[args.shape], args.shape, args.memory_gib, args.context, bandwidth, args.peak_tflops,
+                   args.kv_bytes))
+        return
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.shape:
+        with torch.device(device):
+            model = Transformer(SHAPES[args.shape]).to(dtype).eval().requires_grad_(False)
+        name = f"{args.shape} (random weights)"
+    else:
+        from load import load_model
+
+        model, name = load_model(args.model or default_model(), device, dtype,
+                                 progress=not args.quiet and sys.stderr.isatty())
+    max_len = max(args.prompt_len) + args.new_tokens
+    if max_len > model.args.max_seq_len:
+        raise ValueError(f"prompt + new tokens = {max_len} exceeds the model's context of {model.args.max_seq_len}")
+    bandwidth = measure_bandwidth(device)
+    rows = [bench(model, device, b, p, args.new_tokens, args.runs, args.compile, bandwidth)
+            for b in args.batch_size for p in args.prompt_len]
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
+              f"{'compiled' if args.compile else 'eager'} | {args.new_tokens} new tokens, median of {args.runs}")
+    if args.compile:
+        header += f" | compile + first run {rows[0]['compile_s']:.1f} s"
+    print_table(rows, header, bandwidth)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": name, "device": device.type, "dtype": str(dtype), "compile": args.compile,
+                       "bandwidth_gb_s": bandwidth, "results": rows}, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

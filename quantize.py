@@ -1,0 +1,527 @@
+"""Weight-only quantization: Int8Linear (per-output-channel symmetric) and Int4Linear (group-wise asymmetric,
+two 4-bit codes per byte), swapped in for nn.Linear; saving quantized checkpoints; the quality report.
+
+Shape legend: N out_features, K in_features, G group size, M rows of activations (batch x tokens).
+Decode reads every weight once per token, so fewer bytes per weight is faster decode; what that costs in
+quality is measured by `--eval`, not assumed. Each module has a native kernel path where torch has one
+and a plain dequantize-then-matmul path (`dequantize()`) that the tests hold the kernels to.
+
+    python quantize.py --model M --mode int4:64 --out DIR   # a checkpoint generate.py --model DIR loads
+    python quantize.py --model M --eval                     # KL / top-1 / perplexity table on data/
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels (tinygemm on CUDA, int4pack on CPU) accept
+DEFAULT_GROUP = 32  # on SmolLM2 (a Q4_1 GGUF, groups of 32) larger groups cost far more quality: see README
+MODES_HELP = f"int8, int4 (group {DEFAULT_GROUP}) or int4:GROUP with GROUP in {', '.join(map(str, GROUP_SIZES))}"
+N_MULTIPLE = 16  # the CPU int4 packer works on blocks of 16 output rows
+INT8_K_MULTIPLE = 16  # the CPU int8 kernel reads bf16 activations in 16-wide tiles (wrong results otherwise)
+# The CPU kernels are vectorized for bfloat16 only (float32 takes a scalar loop, slower than a float32 matmul),
+# so on CPU they run with bf16 activations whatever the model dtype (then faster than a float32 matmul at any
+# row count, prefill included); int4 scales and zeros are bf16 always, as in gpt-fast.
+KERNEL_DTYPE = torch.bfloat16
+ROW_BLOCK = 4096  # rows quantized at a time: a large embedding's float32 temporaries would set the peak memory
+OUT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+             "tokenizer.model", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+DATA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pride_and_prejudice_ch1-2.txt")
+
+
+def parse_mode(mode: str) -> tuple[str, int | None]:
+    """'int8' -> ('int8', None); 'int4' -> ('int4', DEFAULT_GROUP); 'int4:64' -> ('int4', 64)."""
+    kind, _, group = mode.partition(":")
+    if kind == "int8" and not group:
+        return "int8", None
+    if kind != "int4":
+        raise ValueError(f"unknown quantization mode {mode!r}; allowed: {MODES_HELP}")
+    if not group:
+        return "int4", DEFAULT_GROUP
+    if not group.isdigit() or int(group) not in GROUP_SIZES:
+        raise ValueError(f"int4 group size {group!r} in {mode!r} is not one the int4 kernels can take, so "
+                         f"in_features cannot be padded to it; allowed: {', '.join(map(str, GROUP_SIZES))}")
+    return "int4", int(group)
+
+
+def mode_name(kind: str, group: int | None) -> str:
+    return "int8" if kind == "int8" else f"int4:{group}"
+
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+# ---- the quantization math, on plain tensors (what checkpoints store and the tests check) ----
+
+def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> codes (N, K) int8 in [-127, 127] and scales (N,): w ~= codes * scales[:, None]."""
+    scales = (w.float().abs().amax(dim=1).clamp(min=1e-8) / 127).to(scale_dtype)  # (N,)
+    codes = torch.round(w.float() / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)  # (N, K)
+    return codes, scales
+
+
+def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return codes.to(scales.dtype) * scales[:, None]  # (N, K)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float, K a multiple of G -> codes (N, K) uint8 in [0, 15] and scales_and_zeros (K/G, N, 2), with
+    w ~= (codes - 8) * scale + zero per group (gpt-fast's / tinygemm's asymmetric scheme)."""
+    N, K = w.shape
+    wg = w.float().view(N, K // group_size, group_size)  # (N, K/G, G)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # (N, K/G)
+    scales = ((hi - lo).clamp(min=1e-6) / 15).to(scale_dtype)
+    zeros = (lo + 8 * scales.float()).to(scale_dtype)  # the value of code 8, the group's midpoint
+    # Round with the stored (possibly bf16) scale and zero so the codes fit what dequantization will use.
+    s, z = scales.float()[..., None], zeros.float()[..., None]  # (N, K/G, 1)
+    codes = torch.round((wg - z) / s + 8).clamp(0, 15).to(torch.uint8).view(N, K)
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # (K/G, N, 2)
+    return codes, scales_and_zeros
+
+
+def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """codes (N, K) in [0, 15], scales_and_zeros (K/G, N, 2) -> (N, K) float32."""
+    N, K = codes.shape
+    groups = scales_and_zeros.shape[0]
+    s, z = scales_and_zeros.transpose(0, 1).unbind(-1)  # (N, K/G) each
+    w = (codes.view(N, groups, K // groups).float() - 8) * s.float()[..., None] + z.float()[..., None]
+    return w.view(N, K)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) uint8 codes in [0, 15] -> (N, K/2) bytes: even k in the low nibble, odd k in the high one."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4: (N, K/2) bytes -> (N, K) codes."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1)  # (N, K/2, 2) -> (N, K)
+
+
+# ---- kernels: which one a device gets ----
+
+def int4_kernel(device: torch.device) -> str | None:
+    """'cpu' (int4pack_mm_for_cpu), 'cuda' (tinygemm, sm80+) or None (dequantize-then-matmul)."""
+    aten = torch.ops.aten
+    if device.type == "cpu" and hasattr(aten, "_weight_int4pack_mm_for_cpu"):
+        return "cpu"
+    if device.type == "cuda" and hasattr(aten, "_weight_int4pack_mm") and torch.cuda.get_device_capability(device)[0] >= 8:
+        return "cuda"
+    return None
+
+
+def int8_kernel(device: torch.device) -> str | None:
+    """'cpu' (_weight_int8pack_mm) or None: on CUDA the matmul with an int8 -> dtype cast in front (gpt-fast's
+    formulation, which torch.compile fuses) is the fast path."""
+    return "cpu" if device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm") else None
+
+
+def cuda_inner_k_tiles(k: int) -> int:
+    return 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2  # K is a multiple of G >= 32
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (codes * scales)^T with int8 codes (N, K) and one symmetric scale per output channel."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.in_padded = round_up(in_features, INT8_K_MULTIPLE)  # zero columns: they add nothing
+        self.register_buffer("weight", torch.zeros(out_features, self.in_padded, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))
+
+    def quantize_weight(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The buffers (weight, scales) this module holds for float weight w (N, K)."""
+        assert tuple(w.shape) == (self.out_features, self.in_features), f"{tuple(w.shape)} vs {self}"
+        w = F.pad(w, (0, self.in_padded - self.in_features))
+        blocks = [quantize_int8(b, self.scales.dtype) for b in w.split(ROW_BLOCK)]  # bounded temporaries
+        return {"weight": torch.cat([c for c, _ in blocks]), "scales": torch.cat([s for _, s in blocks])}
+
+    def dequantize(self) -> torch.Tensor:
+        """The (N, K) weight this module multiplies by, in the scales' dtype: the reference path."""
+        return dequantize_int8(self.weight, self.scales)[:, :self.in_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if int8_kernel(x.device) == "cpu":
+            x2 = F.pad(x2, (0, self.in_padded - self.in_features)).to(KERNEL_DTYPE)  # (M, K padded)
+            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(KERNEL_DTYPE))
+            y = y.to(x.dtype)
+        elif x.device.type == "cuda":
+            y = F.linear(x2, self.weight[:, :self.in_features].to(x.dtype)) * self.scales.to(x.dtype)
+        else:
+            y = F.linear(x2, self.dequantize().to(x.dtype))
+        return y.view(*x.shape[:-1], self.out_features)  # (..., N)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T with W stored as 4-bit codes, two per byte, and a (scale, zero) pair per group of G inputs.
+    K is padded to a multiple of G and N to a multiple of 16 (zero rows/columns) so every kernel takes them.
+
+    `weight` holds the (N, K/2) bytes in the layout of the kernel the device uses (see int4_kernel); the state
+    dict always has the plain pack_int4 layout, so checkpoints do not depend on the machine that wrote them."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, device=None):
+        super().__init__()
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 group size {group_size} is not supported; allowed: {GROUP_SIZES}")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.in_padded, self.out_padded = round_up(in_features, group_size), round_up(out_features, N_MULTIPLE)
+        self.kernel = None  # the layout `weight` is in: None (plain), "cpu" or "cuda"
+        self.register_buffer("weight", torch.zeros(self.out_padded, self.in_padded // 2, dtype=torch.uint8,
+                                                   device=device))
+        self.register_buffer("scales_and_zeros", torch.zeros(self.in_padded // group_size, self.out_padded, 2,
+                                                             dtype=KERNEL_DTYPE, device=device))
+
+    def quantize_weight(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The plain buffers (weight, scales_and_zeros) this module holds for float weight w (N, K)."""
+        assert tuple(w.shape) == (self.out_features, self.in_features), f"{tuple(w.shape)} vs {self}"
+        w = F.pad(w, (0, self.in_padded - self.in_features, 0, self.out_padded - self.out_features))
+        blocks = [quantize_int4(b, self.group_size, KERNEL_DTYPE) for b in w.split(ROW_BLOCK)]  # bounded temporaries
+        return {"weight": torch.cat([pack_int4(c) for c, _ in blocks]),
+                "scales_and_zeros": torch.cat([sz for _, sz in blocks], dim=1)}
+
+    def pack_for_kernel(self) -> None:
+        """Convert the plain `weight` bytes to the layout of this device's kernel, if it has one."""
+        if self.kernel is not None or self.weight.device.type == "meta":
+            return
+        kernel = int4_kernel(self.weight.device)
+        codes = unpack_int4(self.weight)  # (N, K)
+        if kernel == "cpu":
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        elif kernel == "cuda":
+            high_first = (codes[:, 0::2] << 4) | codes[:, 1::2]  # the CUDA packer wants even k in the high nibble
+            self.weight = torch.ops.aten._convert_weight_to_int4pack(high_first, cuda_inner_k_tiles(self.in_padded))
+        self.kernel = kernel
+
+    def codes(self) -> torch.Tensor:
+        """The (N, K) codes, padding included, read back from whichever layout `weight` is in."""
+        if self.kernel is None:
+            return unpack_int4(self.weight)
+        # The kernel reads its own layout: with scale 1 and zero 8 it computes identity @ (codes - 8 + 8)^T,
+        # exactly (small integers, one non-zero product per sum, all exact in bf16).
+        eye = torch.eye(self.in_padded, dtype=KERNEL_DTYPE, device=self.weight.device)  # (K, K)
+        unit = torch.tensor([1.0, 8.0], dtype=KERNEL_DTYPE, device=self.weight.device)
+        unit = unit.expand(self.in_padded // self.group_size, self.out_padded, 2).contiguous()  # (K/G, N, 2)
+        y = self._kernel_mm(eye, unit)  # (K, N)
+        return y.t().round().to(torch.uint8)  # (N, K)
+
+    def dequantize(self) -> torch.Tensor:
+        """The (N, K) float32 weight this module multiplies by: the reference path."""
+        return dequantize_int4(self.codes(), self.scales_and_zeros)[:self.out_features, :self.in_features]
+
+    def _kernel_mm(self, x2: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+        # tinygemm (CUDA) takes bf16 only, the CPU kernel is fast in bf16 only: cast around them
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu if self.kernel == "cpu" else torch.ops.aten._weight_int4pack_mm
+        y = mm(x2.to(KERNEL_DTYPE).contiguous(), self.weight, self.group_size, scales_and_zeros)
+        return y.to(x2.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if self.kernel is None:
+            y = F.linear(x2, self.dequantize().to(x.dtype))  # (M, N)
+        else:
+            x2 = F.pad(x2, (0, self.in_padded - self.in_features))  # (M, K padded)
+            y = self._kernel_mm(x2, self.scales_and_zeros)[:, :self.out_features]  # (M, N)
+        return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
+
+    # The state dict holds the plain layout; loading one packs it for this device's kernel.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight if self.kernel is None else pack_int4(self.codes())
+        destination[prefix + "scales_and_zeros"] = self.scales_and_zeros
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.kernel is not None:  # back to a plain buffer that the incoming plain bytes can be copied into
+            self.weight, self.kernel = pack_int4(self.codes()), None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.scales_and_zeros = self.scales_and_zeros.to(KERNEL_DTYPE)  # a loader may have cast it (exactly)
+        self.pack_for_kernel()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, kernel={self.kernel}")
+
+
+def make_quantized_linear(kind: str, group: int | None, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
+    """An empty Int8Linear / Int4Linear shaped like `linear`, on its device (meta included)."""
+    device = linear.weight.device
+    if kind == "int8":
+        return Int8Linear(linear.in_features, linear.out_features, dtype, device)
+    return Int4Linear(linear.in_features, linear.out_features, group, device)
+
+
+def swap_linears(model: nn.Module, mode: str, quantize_head: bool = False) -> dict[str, nn.Module]:
+    """Replace nn.Linear modules (in the blocks; the LM head too with quantize_head) by empty quantized
+    ones; returns {name: new module}. The weights are filled by the caller (quantize_model, load.py)."""
+    kind, group = parse_mode(mode)
+    dtype = model.norm.weight.dtype  # the model dtype: a float weight that is never quantized
+    swapped = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and (name != "lm_head" or quantize_head):
+            swapped[name] = make_quantized_linear(kind, group, module, dtype)
+            model.set_submodule(name, swapped[name])
+    return swapped
+
+
+def head_is_quantized(model: nn.Module) -> bool:
+    return not isinstance(model.lm_head, nn.Linear)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, mode: str, quantize_head: bool = False) -> nn.Module:
+    """Swap the model's nn.Linear modules for Int8Linear / Int4Linear in place, quantizing their weights.
+    With tied embeddings and quantize_head, the embedding becomes the dequantized head: one matrix, as tied."""
+    floats = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for name, module in swap_linears(model, mode, quantize_head).items():
+        module.load_state_dict(module.quantize_weight(floats[name]))
+    if quantize_head and model.args.tie_embeddings:
+        dtype = model.embed_tokens.weight.dtype
+        model.embed_tokens.weight = nn.Parameter(model.lm_head.dequantize().to(dtype), requires_grad=False)
+    return model
+
+
+def dequantize_state(module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """The (N, K) float weight that `module`'s plain buffers in state[prefix + ...] stand for."""
+    if isinstance(module, Int8Linear):
+        w = dequantize_int8(state[prefix + "weight"], state[prefix + "scales"])
+    else:
+        w = dequantize_int4(unpack_int4(state[prefix + "weight"]), state[prefix + "scales_and_zeros"])
+    return w[:module.out_features, :module.in_features]
+
+
+def quantization_of(model: nn.Module) -> dict[str, str] | None:
+    """{'quantization': 'int8' | 'int4', 'group_size': ..., 'quantize_head': 'true' | 'false'} as stored in
+    a checkpoint's safetensors metadata, read off the model's modules; None for a float model."""
+    block = model.layers[0].mlp.up_proj
+    if isinstance(block, nn.Linear):
+        return None
+    group = str(block.group_size) if isinstance(block, Int4Linear) else ""
+    return {"quantization": "int8" if isinstance(block, Int8Linear) else "int4", "group_size": group,
+            "quantize_head": "true" if head_is_quantized(model) else "false"}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights the model holds: parameters (a tied one once) and the quantized modules' buffers."""
+    quantized = [b for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear)) for b in m.buffers()]
+    return sum(t.nbytes for t in [*model.parameters(), *quantized])
+
+
+# ---- saving a quantized checkpoint folder ----
+
+def hf_config(args) -> dict:
+    """A Hugging Face LlamaForCausalLM config.json for ModelArgs (e.g. from a GGUF file)."""
+    if args.rope_freq_factors is not None:
+        raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
+                         "cannot express; save from the Hugging Face checkpoint instead")
+    if args.sliding_window is not None:
+        raise ValueError("sliding-window models are saved from their Hugging Face folder, not from GGUF")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args.vocab_size,
+        "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "intermediate_size": args.hidden_dim,
+        "hidden_act": "silu", "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False, "mlp_bias": False,
+    }
+    if args.rope_scaling:
+        cfg["rope_scaling"] = dict(args.rope_scaling)
+    return cfg
+
+
+def save_gguf_tokenizer(gguf_path: str, out: str) -> None:
+    """tokenizer.json (the tokenizers backend built from the GGUF vocabulary) plus tokenizer_config.json."""
+    from tokenizers import processors
+
+    from tokenizer import load_tokenizer
+
+    tok = load_tokenizer(gguf_path)
+    backend = tok.backend
+    # A folder's tokenizer adds BOS/EOS only through tokenizer.json's post-processor.
+    single = ([tok.bos_token] if tok.add_bos else []) + ["$A"] + ([tok.eos_token] if tok.add_eos else [])
+    if len(single) > 1:
+        special = [(t, backend.token_to_id(t)) for t in (tok.bos_token, tok.eos_token) if t in single]
+        backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
+    backend.save(os.path.join(out, "tokenizer.json"))
+    cfg = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
+           "add_eos_token": tok.add_eos, "tokenizer_class": "PreTrainedTokenizerFast"}
+    if tok.chat_template:
+        cfg["chat_template"] = tok.chat_template
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, ensure_ascii=False)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_ids}, f, indent=2)
+
+
+def check_out_folder(out: str) -> None:
+    """Refuse a non-empty --out folder unless it holds only a previous output of this command."""
+    if not os.path.exists(out):
+        return
+    if not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} exists and is not a folder")
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return
+    foreign = [e for e in entries if e not in OUT_FILES]
+    previous = "model.safetensors" in entries and read_quantization(os.path.join(out, "model.safetensors"))
+    if foreign or not previous:
+        raise ValueError(f"--out {out!r} is not empty and is not a previous quantize.py output "
+                         f"({', '.join((foreign or entries)[:3])} ...); choose an empty or new folder")
+
+
+def read_quantization(file: str) -> dict[str, str] | None:
+    """The quantization entries of a safetensors file's metadata, or None if it is not quantized."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        meta = f.metadata() or {}
+    return {k: meta[k] for k in ("quantization", "group_size", "quantize_head")} if "quantization" in meta else None
+
+
+def save_quantized(model: nn.Module, source: str, out: str) -> None:
+    """Write model.safetensors (quantization in its metadata), config.json and the tokenizer files to out."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    meta = quantization_of(model)
+    assert meta is not None, "save_quantized needs a quantized model"
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.args.tie_embeddings:  # a tied matrix is stored once: the embedding, or the quantized head
+        del state["embed_tokens.weight" if head_is_quantized(model) else "lm_head.weight"]
+    os.makedirs(out, exist_ok=True)
+    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt", **meta})
+    if os.path.isdir(source):
+        for name in OUT_FILES[1:]:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+    else:
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(hf_config(model.args), f, indent=2)
+        save_gguf_tokenizer(source, out)
+
+
+# ---- quality: teacher-forced KL, top-1 agreement and perplexity against the float model ----
+
+@torch.no_grad()
+def teacher_forced_logprobs(model: nn.Module, tokens: list[int], kv_cache_dtype: str = "model") -> torch.Tensor:
+    """Log-probabilities (T, V) of every next token, the whole text in one pass through a KV cache."""
+    from kvcache import KVCache
+
+    device = model.embed_tokens.weight.device
+    cache = KVCache.for_model(model.args, 1, len(tokens), model.embed_tokens.weight.dtype, device,
+                              kv_dtype=kv_cache_dtype)
+    x = torch.tensor([tokens], device=device)  # (1, T)
+    logits = model(x, torch.arange(len(tokens), device=device), cache, all_logits=True)[0]  # (T, V)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def compare(ref: torch.Tensor, test: torch.Tensor, tokens: list[int]) -> dict[str, float]:
+    """Mean KL(p_ref || p_test) per token, top-1 agreement and perplexity, from (T, V) log-probs."""
+    kl = (ref.exp() * (ref - test)).sum(-1)  # (T,)
+    targets = torch.tensor(tokens[1:])
+    nll = -test[:-1].gather(1, targets[:, None]).mean()  # predictions of tokens 1..T-1
+    return {"kl": kl.mean().item(), "top1": (ref.argmax(-1) == test.argmax(-1)).float().mean().item(),
+            "ppl": math.exp(nll.item())}
+
+
+def load_eval_tokens(tokenizer, max_tokens: int | None = None) -> list[int]:
+    with open(DATA_FILE, encoding="utf-8") as f:
+        tokens = tokenizer.encode(f.read())
+    return tokens[:max_tokens] if max_tokens else tokens
+
+
+def evaluate(model_path: str, device: str = "cpu", progress: bool = False) -> list[dict]:
+    """Rows of the quality table for the model at model_path (a float32 reference) over data/."""
+    import copy
+
+    from tqdm import tqdm
+
+    from load import load_model
+    from tokenizer import load_tokenizer
+
+    ref_model, path = load_model(model_path, device, torch.float32)
+    tokens = load_eval_tokens(load_tokenizer(path))
+    variants = [("float32", None, False, "model"), ("float32", None, False, "int8")]
+    for mode in ("int8", "int4:32", "int4:64", "int4:128"):
+        variants += [(mode, mode, False, "model"), (mode, mode, True, "model")]
+    ref = teacher_forced_logprobs(ref_model, tokens)
+    ref_ppl = compare(ref, ref, tokens)["ppl"]
+    rows = []
+    for name, mode, head, kv in tqdm(variants, desc="eval", disable=not progress):
+        model = ref_model if mode is None else quantize_model(copy.deepcopy(ref_model), mode, head)
+        test = ref if (mode is None and kv == "model") else teacher_forced_logprobs(model, tokens, kv)
+        row = compare(ref, test, tokens)
+        row.update(weights=name, head="yes" if head else "no", kv_cache=kv, weight_bytes=weight_bytes(model),
+                   dppl=row["ppl"] - ref_ppl, tokens=len(tokens))
+        rows.append(row)
+        del model
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| weights | head quantized | KV cache | weight MB | KL(ref ‖ quant) / token | top-1 agreement | "
+             "perplexity | Δ ppl |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['weights']} | {r['head']} | {r['kv_cache']} | {r['weight_bytes'] / 1e6:.1f} | "
+                     f"{r['kl']:.5f} | {r['top1']:.4f} | {r['ppl']:.3f} | {r['dppl']:+.3f} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Quantize a checkpoint to a folder, or report quantization quality.")
+    p.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: as generate.py)")
+    p.add_argument("--mode", default=None, help=MODES_HELP)
+    p.add_argument("--quantize-head", action="store_true", help="quantize the LM head too")
+    p.add_argument("--out", default=None, help="folder to write the quantized checkpoint to")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the scales and of the unquantized weights written with --out (default bfloat16)")
+    p.add_argument("--eval", action="store_true", help="print the quality table over the text in data/")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
+    from generate import default_model
+    from load import load_model, resolve_model_path
+
+    progress = sys.stderr.isatty()
+    model_path = args.model or default_model()
+    if args.eval == bool(args.out):
+        raise ValueError("pass exactly one of --eval and --out DIR")
+    if args.eval:
+        print(format_table(evaluate(model_path, progress=progress)))
+        return
+    if args.mode is None:
+        raise ValueError(f"--out needs --mode ({MODES_HELP})")
+    parse_mode(args.mode)
+    check_out_folder(args.out)
+    source = resolve_model_path(model_path)
+    model, _ = load_model(source, "cpu", getattr(torch, args.dtype), progress=progress,
+                          quantize=args.mode, quantize_head=args.quantize_head)
+    save_quantized(model, source, args.out)
+    print(f"wrote {args.out} ({args.mode}{', head quantized' if args.quantize_head else ''}, "
+          f"weights {weight_bytes(model) / 1e6:.1f} MB)", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    import quantize  # run as the importable module: load.py builds its Int4Linear, isinstance must agree
+
+    sys.exit(quantize.main())

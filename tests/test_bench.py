@@ -1,0 +1,52 @@
+"""bench.py: the capacity-plan arithmetic and a benchmark run end to end on a tiny model."""
+import json
+
+import torch
+
+import bench
+from model import Transformer
+from tiny_models import make_hf
+
+
+def test_param_counts_match_the_models():
+    assert bench.param_count(bench.SHAPES["llama-2-7b"]) == 6_738_415_616  # Llama-2-7B's published count
+    for name, args in bench.SHAPES.items():
+        with torch.device("meta"):
+            model = Transformer(args)
+        assert bench.param_count(args) == sum(p.numel() for p in model.parameters()), name
+
+
+def test_plan_llama2_7b_fp16(capsys):
+    assert bench.main(["--plan", "--shape", "llama-2-7b", "--bandwidth-gbs", "4800"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache: 512 KiB/token, 2 GiB per sequence at 4096 tokens" in out
+    bf16 = next(line for line in out.splitlines() if line.strip().startswith("bf16"))
+    # 12.55 GiB of weights leave 67.45 GiB: 33 sequences of 2 GiB; 4800 GB/s / 13.48 GB = 356 tok/s
+    assert bf16.split()[1:4] == ["12.55", "33", "356.2"]
+
+
+def test_plan_mistral_7b_gqa(capsys):
+    assert bench.main(["--plan", "--shape", "mistral-7b", "--bandwidth-gbs", "4800"]) == 0
+    assert "KV cache: 128 KiB/token, 0.5 GiB per sequence at 4096 tokens" in capsys.readouterr().out
+
+
+def test_benchmark_table_and_json(tmp_path, capsys):
+    make_hf("llama-gqa").save_pretrained(tmp_path / "model")
+    out_file = tmp_path / "result.json"
+    assert bench.main(["--model", str(tmp_path / "model"), "--runs", "2", "--new-tokens", "6", "--prompt-len", "5",
+                       "9", "--json", str(out_file), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "measured memory bandwidth" in out and "% roofline" in out
+    result = json.loads(out_file.read_text())
+    assert [r["prompt_len"] for r in result["results"]] == [5, 9]
+    r = result["results"][0]
+    # tiny-llama-gqa: 2 layers x 2 kv heads x head_dim 24, fp32 -> 2 * 2 * 2 * 24 * 4 bytes per token
+    assert r["kv_bytes_per_token"] == 768 and r["kv_bytes_total"] == 768 * (5 + 6)
+    assert r["tpot_ms"] > 0 and r["decode_tok_s"] > 0 and r["weight_bytes"] > 0
+
+
+def test_bad_arguments(capsys):
+    assert bench.main(["--plan"]) == 1
+    assert "--plan needs --shape" in capsys.readouterr().err
+    assert bench.main(["--shape", "llama-2-7b", "--new-tokens", "1"]) == 1
+    assert "--new-tokens must be >= 2" in capsys.readouterr().err

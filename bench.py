@@ -163,6 +163,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--compile", action="store_true", help="compile the decode step (as generate.py --compile)")
+    p.add_argument("--quantize", default=None, metavar="MODE", help="int8, int4 or int4:GROUP (as generate.py)")
+    p.add_argument("--quantize-head", action="store_true", help="with --quantize: the LM head too")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--prompt-len", type=int, nargs="+", default=[32])
     p.add_argument("--new-tokens", type=int, default=128)
@@ -199,14 +201,20 @@ def run(args: argparse.Namespace) -> None:
         return
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.shape:
+        if args.quantize:
+            from quantize import quantize_model
+
         with torch.device(device):
             model = Transformer(SHAPES[args.shape]).to(dtype).eval().requires_grad_(False)
+        if args.quantize:
+            model = quantize_model(model, args.quantize, args.quantize_head)
         name = f"{args.shape} (random weights)"
     else:
         from load import load_model
 
         model, name = load_model(args.model or default_model(), device, dtype,
-                                 progress=not args.quiet and sys.stderr.isatty())
+                                 progress=not args.quiet and sys.stderr.isatty(), quantize=args.quantize,
+                                 quantize_head=args.quantize_head)
     max_len = max(args.prompt_len) + args.new_tokens
     if max_len > model.args.max_seq_len:
         raise ValueError(f"prompt + new tokens = {max_len} exceeds the model's context of {model.args.max_seq_len}")
@@ -215,6 +223,7 @@ def run(args: argparse.Namespace) -> None:
             for b in args.batch_size for p in args.prompt_len]
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
+              f"{'weights ' + args.quantize + (' +head' if args.quantize_head else '') + ' | ' if args.quantize else ''}"
               f"{'compiled' if args.compile else 'eager'} | {args.new_tokens} new tokens, median of {args.runs}")
     if args.compile:
         header += f" | compile + first run {rows[0]['compile_s']:.1f} s"

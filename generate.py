@@ -330,15 +330,18 @@ def complete(model: Transformer, tokenizer, prompt: list[int], max_new_tokens: i
              params: SamplingParams = SamplingParams(), generator: torch.Generator | None = None, *,
              stop: Sequence[str] = (), logprobs: int | None = None, on_text: Callable[[str], None] | None = None,
              session: Session | None = None, decode_step: Callable = decode_one,
-             kv_dtype: str = "model") -> Completion:
+             kv_dtype: str = "model", steps_from: Iterator[Step] | None = None) -> Completion:
     """Generate for one prompt until an EOS id, a stop string, max_new_tokens or the context; on_text gets the
-    text as it becomes final. Streamed pieces concatenate to the returned text."""
+    text as it becomes final. Streamed pieces concatenate to the returned text. steps_from replaces
+    generate_steps (speculative.speculative_steps), stopping on the tokenizer's EOS ids itself."""
     text = TextStream(tokenizer, stop)
     prefilled = len(prompt) - (session.reusable(prompt) if session is not None else 0)
     steps, finish = [], "length"
     t_start, t_first = time.perf_counter(), None
-    for step in generate_steps(model, prompt, max_new_tokens, params, generator, tokenizer.eos_ids, decode_step,
-                               logprobs, session, kv_dtype):
+    if steps_from is None:
+        steps_from = generate_steps(model, prompt, max_new_tokens, params, generator, tokenizer.eos_ids, decode_step,
+                                    logprobs, session, kv_dtype)
+    for step in steps_from:
         t_first = t_first or time.perf_counter()
         steps.append(step)
         if step.token in tokenizer.eos_ids:
@@ -456,6 +459,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantize-head", action="store_true", help="with --quantize: quantize the LM head too")
     p.add_argument("--kv-cache-dtype", default="model", choices=["model", "int8"],
                    help="KV cache storage: the model dtype, or int8 with a scale per token and head")
+    p.add_argument("--draft-model", default=None, metavar="M",
+                   help="speculative decoding with draft model M (same tokenizer and vocab_size as --model)")
+    p.add_argument("--draft-quantize", default=None, metavar="MODE",
+                   help="speculative decoding with a quantized draft: the target (or --draft-model) loaded again "
+                   "with this --quantize MODE, e.g. int4:32 (self-draft)")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="speculative decoding drafting the continuation of the latest earlier match of the "
+                   "context's last 3/2/1 tokens (no draft model)")
+    p.add_argument("--speculate-k", type=int, default=4, metavar="K",
+                   help="with a draft: tokens drafted per target forward (default 4, >= 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bars and no summary line")
     return p.parse_args(argv)
 
@@ -486,6 +499,9 @@ def run(args: argparse.Namespace) -> None:
     if args.logprobs is not None and args.logprobs < 0:
         raise ValueError(f"--logprobs must be >= 0 (the number of alternatives per token), got {args.logprobs}")
     texts = read_prompts(args)
+    import speculative
+
+    speculate = speculative.check_args(args, params)
     device = pick_device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     progress = not args.quiet and sys.stderr.isatty()
@@ -529,13 +545,22 @@ def run(args: argparse.Namespace) -> None:
                   f"(all rows) | {setup}", file=sys.stderr)
     else:
         on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
-        c = complete(model, tokenizer, encode(texts[0]), args.max_new_tokens, params, generator, stop=args.stop,
-                     logprobs=args.logprobs, on_text=on_text, decode_step=decode_step, kv_dtype=args.kv_cache_dtype)
+        prompt, steps_from, stats = encode(texts[0]), None, None
+        if speculate:  # the same tokens and distribution, up to --speculate-k tokens per target forward
+            draft = speculative.make_draft(args, model, path, device, dtype, progress)
+            stats = speculative.SpecStats(args.speculate_k)
+            steps_from = speculative.speculative_steps(model, draft, prompt, args.max_new_tokens, params, generator,
+                                                       tokenizer.eos_ids, args.speculate_k, stats)
+        c = complete(model, tokenizer, prompt, args.max_new_tokens, params, generator, stop=args.stop,
+                     logprobs=args.logprobs, on_text=on_text, decode_step=decode_step, kv_dtype=args.kv_cache_dtype,
+                     steps_from=steps_from)
         print(json.dumps(completion_json(c, tokenizer), ensure_ascii=False) if args.json else "", flush=True)
         if not args.json:
             print_logprobs(c, tokenizer, args.logprobs)
         if not args.quiet:
             print(f"{summary(c)} | {setup}", file=sys.stderr)
+            if stats is not None:
+                print(stats.report(), file=sys.stderr)
 
 
 def quantization_summary(model: Transformer, kv_dtype: str) -> str:

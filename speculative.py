@@ -1,0 +1,287 @@
+"""Speculative decoding (Leviathan et al. 2023, Chen et al. 2023): a cheap draft proposes k tokens, the target
+scores all of them in one forward pass, and a rejection rule keeps the output distribution exactly the target's.
+
+Shape legend: B independent trials (1 in generation), K drafted tokens, V vocab.
+Three draft sources share one interface, `propose(context, k, params, generator) -> (tokens, q)`:
+  ModelDraft        a separate small model, or the target itself re-loaded quantized (self-draft), own KV cache;
+  PromptLookupDraft the continuation of the latest earlier match of the context's last n-gram (q is one-hot).
+"""
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from generate import Step, check_request, new_cache
+from model import Transformer
+from sample import SamplingParams, logits_to_probs, sample
+
+
+def verify(p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor,
+           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accept/reject rule. p (B, K+1, V): target probabilities after the context and each draft; q (B, K, V):
+    the draft's, from which draft_tokens (B, K) were drawn (one-hot for a deterministic proposal).
+    Returns (n_accepted (B,), next_token (B,)): emit draft_tokens[:n] and then next_token."""
+    B, K = draft_tokens.shape
+    p_x = p[:, :K].gather(-1, draft_tokens[..., None])[..., 0]  # (B, K) target probability of each draft
+    q_x = q.gather(-1, draft_tokens[..., None])[..., 0]  # (B, K) draft probability of each draft (> 0: drawn)
+    r = torch.rand((B, K), generator=generator, device=p.device)  # (B, K) uniform in [0, 1)
+    # Accept draft i with probability min(1, p(x)/q(x)), written without a division: r * q(x) < p(x).
+    accepted = r * q_x < p_x  # (B, K)
+    n = accepted.long().cumprod(dim=-1).sum(dim=-1)  # (B,) drafts accepted before the first rejection
+    # The token after the accepted drafts comes from row n of p, corrected by row n of q:
+    #   rejected at n < K: sample from normalize((p - q)+), the mass the draft under-proposed;
+    #   all K accepted:    the padded q row is zero, so this is p itself, the bonus token.
+    q_pad = torch.cat([q, q.new_zeros(B, 1, q.shape[-1])], dim=1)  # (B, K+1, V)
+    rows = torch.arange(B, device=p.device)
+    residual = (p[rows, n] - q_pad[rows, n]).clamp(min=0)  # (B, V)
+    # (p - q)+ is zero only where p == q, and then no draft is ever rejected; fall back to p for rounding.
+    empty = residual.sum(dim=-1, keepdim=True) <= 0  # (B, 1)
+    residual = torch.where(empty, p[rows, n], residual)
+    next_token = torch.multinomial(residual, 1, generator=generator)[:, 0]  # (B,) multinomial normalizes
+    return n, next_token
+
+
+def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature 0: accept drafts while they equal the target's argmax; the next token is the target's argmax
+    after the last accepted one. target_argmax (B, K+1), draft_tokens (B, K) -> (n_accepted (B,), next (B,))."""
+    K = draft_tokens.shape[1]
+    n = (target_argmax[:, :K] == draft_tokens).long().cumprod(dim=-1).sum(dim=-1)  # (B,)
+    return n, target_argmax.gather(-1, n[:, None])[:, 0]
+
+
+def draft_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(N, V) logits -> (N, V) probabilities of the distribution sampling draws from (the same for p and q)."""
+    return logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ModelDraft:
+    """A draft model with its own KV cache: a smaller model sharing the target's tokenizer, or the target
+    re-loaded quantized (self-draft). It samples k tokens autoregressively and returns their q rows."""
+
+    def __init__(self, model: Transformer, target: Transformer):
+        if model.args.vocab_size != target.args.vocab_size:
+            raise ValueError(f"draft model vocab_size {model.args.vocab_size} != target vocab_size "
+                             f"{target.args.vocab_size}; the draft must share the target's tokenizer")
+        self.model = model
+        self.cache = None
+        self.cached: list[int] = []  # tokens whose keys/values the cache holds, at positions 0..len-1
+        self.forwards = 0  # draft forward passes, for the cost ratio c
+
+    def start(self, max_seq: int) -> None:
+        self.cache, self.cached = new_cache(self.model, 1, max_seq), []
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        """k draft tokens after `context`, and q (k, V) (None when greedy: the rule needs no q)."""
+        if k == 0:
+            return [], None
+        device = self.model.embed_tokens.weight.device
+        # Rollback by position: slots past the common prefix are stale and are simply written again.
+        n = common_prefix(self.cached, context)
+        del self.cached[n:]
+        feed = torch.tensor([context[n:]], device=device)  # (1, T): the prompt at first, then 1-2 new tokens
+        logits = self.model(feed, torch.arange(n, len(context), device=device), self.cache)[:, -1]  # (1, V)
+        self.cached.extend(context[n:])
+        tokens, qs = [], []
+        for i in range(k):
+            self.forwards += 1
+            if params.temperature == 0:
+                x = logits.argmax(dim=-1)  # (1,)
+            else:
+                qs.append(draft_probs(logits, params)[0])  # (V,)
+                x = torch.multinomial(qs[-1], 1, generator=generator)  # (1,)
+            tokens.append(x.item())
+            if i == k - 1:
+                break  # the last draft is fed with the next verify's tokens, if it is accepted
+            logits = self.model(x.view(1, 1), torch.tensor([len(context) + i], device=device), self.cache)[:, -1]
+            self.cached.append(tokens[-1])
+        return tokens, torch.stack(qs) if qs else None
+
+
+class PromptLookupDraft:
+    """Prompt lookup decoding: find the latest earlier occurrence of the context's last n tokens (n from
+    max_ngram down to 1) and propose what followed it. Deterministic, so q is one-hot; may propose nothing."""
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+        self.forwards = 0  # no model: costs nothing
+
+    def start(self, max_seq: int) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        L = len(context)
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            suffix = context[L - n:]
+            for i in range(L - n - 1, -1, -1):  # latest match first, never the suffix itself
+                if context[i:i + n] == suffix:
+                    return context[i + n:i + n + k], None
+        return [], None
+
+
+@dataclass
+class SpecStats:
+    """What one speculative run did: per verify, how many drafts were proposed and accepted, and the time
+    spent in the draft and in the target."""
+    k: int
+    rounds: list[tuple[int, int]] = field(default_factory=list)  # (proposed, accepted) per target verify
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    draft_forwards: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        proposed = sum(p for p, _ in self.rounds)
+        return sum(a for _, a in self.rounds) / proposed if proposed else float("nan")
+
+    @property
+    def tokens_per_verify(self) -> float:
+        return sum(a + 1 for _, a in self.rounds) / len(self.rounds) if self.rounds else float("nan")
+
+    @property
+    def predicted_tokens_per_verify(self) -> float:
+        """(1 - a^(k+1)) / (1 - a) averaged over the verifies' own k (i.i.d. acceptance with rate a)."""
+        a = self.acceptance
+        if not self.rounds or a != a:
+            return float("nan")
+        return sum(k + 1 if a == 1 else (1 - a ** (k + 1)) / (1 - a) for k, _ in self.rounds) / len(self.rounds)
+
+    @property
+    def cost_ratio(self) -> float:
+        """c: one draft forward's time over one target verify's time (0 for prompt lookup)."""
+        if not self.rounds or not self.draft_forwards:
+            return 0.0
+        return (self.draft_s / self.draft_forwards) / (self.target_s / len(self.rounds))
+
+    def report(self) -> str:
+        hist = [0] * (self.k + 1)
+        for _, a in self.rounds:
+            hist[a] += 1
+        empty = sum(1 for p, _ in self.rounds if p == 0)
+        k_mean = sum(p for p, _ in self.rounds) / max(len(self.rounds), 1)
+        c = self.cost_ratio
+        return (f"speculative k={self.k} | verifies {len(self.rounds)} ({empty} with no draft) | "
+                f"acceptance a={self.acceptance:.3f} | tokens/verify {self.tokens_per_verify:.2f} "
+                f"(predicted (1-a^(k+1))/(1-a) = {self.predicted_tokens_per_verify:.2f}) | "
+                f"c={c:.3f}, predicted speed-up {self.tokens_per_verify / (1 + k_mean * c):.2f}x | "
+                f"accepted per verify 0..{self.k}: {' '.join(map(str, hist))}")
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # CUDA is asynchronous: time the work, not its launch
+    return time.perf_counter()
+
+
+@torch.no_grad()
+def speculative_steps(
+    model: Transformer,
+    draft: ModelDraft | PromptLookupDraft,
+    prompt: list[int],
+    max_new_tokens: int,
+    params: SamplingParams = SamplingParams(),
+    generator: torch.Generator | None = None,
+    stop_ids: Sequence[int] = (),
+    k: int = 4,
+    stats: SpecStats | None = None,
+) -> Iterator[Step]:
+    """Yield up to max_new_tokens Steps like generate.generate_steps (same stopping rules, same distribution;
+    greedy output is token-identical), drafting up to k tokens per target forward."""
+    if k < 1:
+        raise ValueError(f"speculate k must be >= 1, got {k}")
+    if params.penalized:
+        raise ValueError("repetition/presence/frequency penalties are not supported with speculative decoding")
+    context = model.args.max_seq_len
+    check_request(prompt, max_new_tokens, context)
+    # As generate_steps: the cache holds prompt + generated tokens; the very last token is never fed.
+    max_seq = min(len(prompt) + max_new_tokens, context)
+    limit = min(max_new_tokens, max_seq - len(prompt) + 1)  # tokens to generate
+    stats = stats if stats is not None else SpecStats(k)
+    device = model.embed_tokens.weight.device
+    cache = new_cache(model, 1, max_seq)
+    draft.start(max_seq)
+    greedy = params.temperature == 0
+
+    logits = model(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device), cache)[:, -1]
+    first = sample(logits, params.temperature, params.top_k, params.top_p, generator, params.min_p).item()
+    tokens = list(prompt) + [first]
+    yield Step(first)
+    if first in stop_ids or limit == 1:
+        return
+    while True:
+        pos = len(tokens) - 1  # the last token's position: not yet in the target's cache
+        # Never draft past the last token to generate: drafts + 1 token <= what is left (keeps pos + k < max_seq).
+        k_now = min(k, limit - (len(tokens) - len(prompt)) - 1)
+        t0 = _now(device)
+        drafts, q = draft.propose(tokens, k_now, params, generator)  # k' <= k_now tokens, q (k', V) or None
+        t1 = _now(device)
+        kd = len(drafts)
+        # One target forward over the last token and the drafts: row i is p after tokens + drafts[:i].
+        fed = torch.tensor([[tokens[-1]] + drafts], device=device)  # (1, k'+1)
+        logits = model(fed, torch.arange(pos, pos + kd + 1, device=device), cache, all_logits=True)  # (1, k'+1, V)
+        draft_t = torch.tensor([drafts], dtype=torch.long, device=device)  # (1, k')
+        if greedy:
+            n, nxt = verify_greedy(logits.argmax(dim=-1), draft_t)
+        else:
+            p = draft_probs(logits[0], params)[None]  # (1, k'+1, V)
+            if q is None:  # a deterministic proposal: q is one-hot on the drafted tokens
+                q = torch.nn.functional.one_hot(draft_t[0], p.shape[-1]).to(p.dtype)  # (k', V)
+            n, nxt = verify(p, q[None], draft_t, generator)
+        n, nxt = n.item(), nxt.item()
+        t2 = _now(device)
+        stats.draft_s += t1 - t0
+        stats.target_s += t2 - t1
+        stats.draft_forwards = draft.forwards
+        stats.rounds.append((kd, n))
+        # The target's cache now holds tokens + drafts[:n] correctly; slots after them are stale and are
+        # overwritten by the next verify, which starts at the next token's position (rollback by position).
+        for t in drafts[:n] + [nxt]:
+            tokens.append(t)
+            yield Step(t)
+            if t in stop_ids or len(tokens) - len(prompt) == limit:
+                return
+
+
+def make_draft(args, model: Transformer, path: str, device: torch.device, dtype: torch.dtype,
+               progress: bool = False) -> ModelDraft | PromptLookupDraft | None:
+    """The draft the CLI flags ask for (--draft-model, --draft-quantize, --prompt-lookup), or None."""
+    if args.prompt_lookup:
+        return PromptLookupDraft()
+    if args.draft_model is None and args.draft_quantize is None:
+        return None
+    from load import load_model
+
+    draft, _ = load_model(args.draft_model or path, device, dtype, progress=progress, quantize=args.draft_quantize)
+    return ModelDraft(draft.eval(), model)
+
+
+def check_args(args, params: SamplingParams) -> bool:
+    """Whether the CLI flags ask for speculative decoding; a ValueError for combinations it does not support."""
+    if not (args.draft_model or args.draft_quantize or args.prompt_lookup):
+        return False
+    if args.prompt_lookup and (args.draft_model or args.draft_quantize):
+        raise ValueError("--prompt-lookup is a draft of its own; it cannot take --draft-model/--draft-quantize")
+    if args.speculate_k < 1:
+        raise ValueError(f"--speculate-k must be >= 1, got {args.speculate_k}")
+    for flag, used in (("penalties", params.penalized), ("--logprobs", args.logprobs is not None),
+                       ("--prompts-file", args.prompts_file), ("--interactive", args.interactive),
+                       ("--compile", args.compile), ("--kv-cache-dtype int8", args.kv_cache_dtype != "model")):
+        if used:
+            raise ValueError(f"{flag} is not supported with speculative decoding")
+    return True
+
+
+def print_stats(stats: SpecStats) -> None:
+    print(stats.report(), file=sys.stderr)

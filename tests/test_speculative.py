@@ -1,0 +1,247 @@
+"""Speculative decoding: the accept/reject rule keeps the target's distribution (statistically, vectorized over
+trials), greedy speculative output equals plain greedy for every draft source, and rollback leaves a clean cache."""
+import copy
+import os
+
+import pytest
+import torch
+
+from generate import generate, main
+from model import ModelArgs, Transformer
+from sample import SamplingParams, logits_to_probs
+from speculative import ModelDraft, PromptLookupDraft, SpecStats, speculative_steps, verify
+from tiny_models import hf_to_ours, make_hf
+
+torch.set_grad_enabled(False)
+
+TRIALS = 200_000
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def simulate(p_rows: torch.Tensor, propose, K: int, positions: int, generator: torch.Generator) -> torch.Tensor:
+    """Run the speculative loop for TRIALS independent sequences over a context-free target: the target's
+    distribution at position j is p_rows[j] (L, V). propose(start (N,)) -> (drafts (N, K), q (N, K, V)).
+    Returns the emitted tokens (TRIALS, positions)."""
+    L, V = p_rows.shape
+    out = torch.full((TRIALS, positions), -1, dtype=torch.long)
+    start = torch.zeros(TRIALS, dtype=torch.long)  # tokens each trial has emitted so far
+    while (start < positions).any():
+        live = (start < positions).nonzero()[:, 0]  # (N,)
+        s = start[live]
+        drafts, q = propose(s)
+        rows = (s[:, None] + torch.arange(K + 1)).clamp(max=L - 1)  # (N, K+1) positions p is taken at
+        n, nxt = verify(p_rows[rows], q, drafts, generator)
+        emitted = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)  # (N, K+1)
+        emitted[torch.arange(len(live)), n] = nxt  # drafts[:n], then the next token
+        for i in range(K + 1):  # write emitted[:, i] at position s + i where i <= n and in range
+            pos = s + i
+            ok = (i <= n) & (pos < positions)
+            out[live[ok], pos[ok]] = emitted[ok, i]
+        start[live] = s + n + 1
+    return out
+
+
+def tv(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    """Total-variation distance between the empirical distribution of `tokens` and p (V,)."""
+    counts = torch.bincount(tokens, minlength=p.shape[0]).float()
+    return 0.5 * (counts / counts.sum() - p).abs().sum().item()
+
+
+PARAMS = SamplingParams(temperature=0.8, top_k=7, top_p=0.9)
+
+
+@pytest.mark.parametrize("draft", ["poor", "good", "lookup"])
+def test_speculative_sampling_is_lossless(draft):
+    g = torch.Generator().manual_seed(0)
+    K, V, L, positions = 4, 10, 12, 6
+    p_logits = torch.randn(L, V, generator=g) * 2
+    p_rows = logits_to_probs(p_logits, PARAMS.temperature, PARAMS.top_k, PARAMS.top_p)  # (L, V) the target
+    if draft == "lookup":
+        # A deterministic proposal per position (likely and unlikely tokens alike), q one-hot.
+        fixed = torch.randint(0, V, (L + K,), generator=g)
+
+        def propose(s):
+            drafts = fixed[s[:, None] + torch.arange(K)]  # (N, K)
+            return drafts, torch.nn.functional.one_hot(drafts, V).float()
+    else:
+        noise = 3.0 if draft == "poor" else 0.3
+        q_logits = (torch.randn(L, V, generator=g) * 2 if draft == "poor" else p_logits) + \
+            noise * torch.randn(L, V, generator=g)
+        q_all = logits_to_probs(q_logits, PARAMS.temperature, PARAMS.top_k, PARAMS.top_p)  # (L, V)
+        q_all = torch.cat([q_all, q_all[-1:].expand(K, V)])  # (L + K, V) positions past L reuse the last row
+
+        def propose(s):
+            q = q_all[s[:, None] + torch.arange(K)]  # (N, K, V)
+            drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(len(s), K)  # (N, K)
+            return drafts, q
+
+    out = simulate(p_rows, propose, K, positions, g)
+    assert (out >= 0).all()
+    for j in (0, 3, 5):  # the first token, one inside a draft window, one after a bonus/resample
+        assert tv(out[:, j], p_rows[j]) < 0.01, (draft, j)
+    # The regimes are what they claim: the poor draft is rejected often, the good one rarely.
+    drafts, q = propose(torch.zeros(TRIALS, dtype=torch.long))
+    n, _ = verify(p_rows[torch.arange(K + 1)].expand(TRIALS, K + 1, V), q, drafts, g)
+    accept_first = (n > 0).float().mean().item()
+    if draft == "poor":
+        assert accept_first < 0.6
+    elif draft == "good":
+        assert accept_first > 0.8
+
+
+def test_verify_edge_cases():
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]])  # (1, 2, 3)
+    q = torch.tensor([[[1.0, 0.0, 0.0]]])  # draft token 0 has p = 0: always rejected, resample gives 1
+    n, nxt = verify(p, q, torch.tensor([[0]]), g)
+    assert n.item() == 0 and nxt.item() == 1
+    q = torch.tensor([[[0.0, 1.0, 0.0]]])  # p(x) = 1: always accepted, the bonus comes from row 1
+    n, nxt = verify(p, q, torch.tensor([[1]]), g)
+    assert n.item() == 1 and nxt.item() in (0, 1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return hf_to_ours(make_hf("llama-gqa", seed=0))
+
+
+def greedy(model, prompt, n):
+    return list(generate(model, prompt, n))
+
+
+def tiny_drafts(target):
+    from quantize import quantize_model
+
+    return {
+        "other-seed": ModelDraft(hf_to_ours(make_hf("llama-gqa", seed=1)), target),
+        "int4-self": ModelDraft(quantize_model(copy.deepcopy(target), "int4:32"), target),
+        "lookup": PromptLookupDraft(),
+    }
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_matches_plain_greedy_tiny(target, k):
+    prompt = [5, 17, 42, 99, 3, 5, 17, 42, 7]
+    want = greedy(target, prompt, 48)
+    for name, draft in tiny_drafts(target).items():
+        stats = SpecStats(k)
+        got = [s.token for s in speculative_steps(target, draft, prompt, 48, k=k, stats=stats)]
+        assert got == want, name
+        if name == "other-seed":  # a different random model: rejections happen, so rollback is exercised
+            assert any(a < p for p, a in stats.rounds)
+
+
+def test_stop_ids_and_context_limit(target):
+    prompt = [5, 17, 42, 99, 3]
+    full = greedy(target, prompt, 40)
+    stop = full[10]
+    draft = ModelDraft(hf_to_ours(make_hf("llama-gqa", seed=1)), target)
+    got = [s.token for s in speculative_steps(target, draft, prompt, 40, stop_ids=[stop])]
+    assert got == full[: full.index(stop) + 1]
+    long_prompt = list(range(1, 151)) + list(range(1, 101))  # 250 of a 256 context
+    want = greedy(target, long_prompt, 50)
+    for draft in tiny_drafts(target).values():
+        assert [s.token for s in speculative_steps(target, draft, long_prompt, 50, k=4)] == want
+
+
+def test_rollback_leaves_the_target_cache_exact(target):
+    prompt = [5, 17, 42, 99, 3]
+    draft = ModelDraft(hf_to_ours(make_hf("llama-gqa", seed=1)), target)
+    stats = SpecStats(4)
+    caches = []
+    original = target.forward
+
+    def spy(tokens, input_pos, cache=None, all_logits=False):  # keep the target's cache for after the run
+        if cache is not None and not caches:
+            caches.append(cache)
+        return original(tokens, input_pos, cache, all_logits)
+
+    target.forward = spy
+    try:
+        params = SamplingParams(temperature=1.0)
+        out = [s.token for s in speculative_steps(target, draft, prompt, 40, params, torch.Generator().manual_seed(0),
+                                                  k=4, stats=stats)]
+    finally:
+        del target.forward
+    assert any(a < p for p, a in stats.rounds)  # rejections happened
+    seq = prompt + out
+    # The last token was never fed: feeding it now must attend to exactly seq (stale slots past it hidden).
+    cached = target(torch.tensor([seq[-1:]]), torch.tensor([len(seq) - 1]), caches[0])[0, -1]
+    full = target(torch.tensor([seq]), torch.arange(len(seq)))[0, -1]
+    assert (cached - full).abs().max().item() <= 1e-4
+
+
+def test_sampling_runs_with_every_draft(target):
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, min_p=0.01)
+    for name, draft in tiny_drafts(target).items():
+        out = list(speculative_steps(target, draft, [5, 17, 42, 5, 17], 30, params, torch.Generator().manual_seed(1)))
+        assert len(out) == 30, name
+
+
+def test_bad_input(target):
+    small = Transformer(ModelArgs(vocab_size=100, dim=64, n_layers=1, n_heads=4, hidden_dim=64))
+    with pytest.raises(ValueError, match="vocab_size 100"):
+        ModelDraft(small, target)
+    with pytest.raises(ValueError, match="k must be >= 1, got 0"):
+        list(speculative_steps(target, PromptLookupDraft(), [1, 2, 3], 5, k=0))
+    with pytest.raises(ValueError, match="not supported with speculative decoding"):
+        list(speculative_steps(target, PromptLookupDraft(), [1, 2, 3], 5, SamplingParams(repetition_penalty=1.2)))
+
+
+def test_prompt_lookup_proposes_the_latest_match():
+    d = PromptLookupDraft()
+    ctx = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert d.propose(ctx, 3, SamplingParams(), None)[0] == [7, 8, 5]  # the latest earlier "1 2 3"
+    assert d.propose([4, 5, 6], 3, SamplingParams(), None)[0] == []
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--prompt-lookup", "--speculate-k", "0"], "--speculate-k must be >= 1, got 0"),
+    (["--prompt-lookup", "--repetition-penalty", "1.2"], "not supported with speculative decoding"),
+])
+def test_cli_errors(capsys, args, fragment):
+    assert main(["--prompt", "Hi", *args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and fragment in err[0]
+
+
+def test_cli_draft_with_another_vocab(capsys, tmp_path, smollm2_gguf):
+    make_hf("llama-gqa").save_pretrained(tmp_path)  # vocab 160, SmolLM2's is 49152
+    capsys.readouterr()  # drop save_pretrained's progress bars
+    assert main(["--model", smollm2_gguf, "--draft-model", str(tmp_path), "--prompt", "Hi", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vocab_size 160" in err[0] and "49152" in err[0]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    from load import load_model
+    from tokenizer import load_tokenizer
+
+    model, path = load_model(smollm2_gguf, "cpu", torch.float32)
+    return model.eval(), load_tokenizer(path)
+
+
+def test_greedy_matches_plain_greedy_smollm2(smollm2):
+    from quantize import quantize_model
+
+    model, tok = smollm2
+    chat = lambda text: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), bos=False)
+    with open(os.path.join(ROOT, "data", "pride_and_prejudice_ch1-2.txt"), encoding="utf-8") as f:
+        paragraph = " ".join(f.read(600).split())
+    prompts = {
+        "int4-self": [tok.encode("The history of the Roman Empire"), chat("Write a short poem about the sea.")],
+        "lookup": [chat(f"Repeat this paragraph: {paragraph}"), tok.encode("def fibonacci(n):")],
+    }
+    drafts = {"int4-self": ModelDraft(quantize_model(copy.deepcopy(model), "int4:32"), model),
+              "lookup": PromptLookupDraft()}
+    for name, draft in drafts.items():
+        rejected, per_verify = False, []
+        for prompt in prompts[name]:
+            stats = SpecStats(4)
+            got = [s.token for s in speculative_steps(model, draft, prompt, 64, stats=stats)]
+            assert got == greedy(model, prompt, 64), name
+            rejected |= any(a < p for p, a in stats.rounds)
+            per_verify.append(stats.tokens_per_verify)
+        assert rejected, name
+        assert per_verify[0] > 1.5, (name, per_verify)  # the self-draft, and lookup on a repeat task, pay

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from generate import DTYPES, compile_decode, decode_one, default_model, pick_device
+from generate import DTYPES, compile_decode, decode_one, default_model, pick_device, run_cli
 from kvcache import KVCache
 from model import ModelArgs, Transformer
 
@@ -235,13 +235,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        run(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_cli(run, parse_args(argv))
 
 
 if __name__ == "__main__":

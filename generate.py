@@ -639,16 +639,21 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
         turn = None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_cli(command: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> int:
+    """Run a command-line tool: bad input (ValueError, FileNotFoundError) ends as one `error:` line on
+    stderr and exit status 1, not a traceback; Ctrl-C as status 130."""
     try:
-        run(args)
+        command(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -512,13 +512,9 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        run(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    from generate import run_cli
+
+    return run_cli(run, parse_args(argv))
 
 
 if __name__ == "__main__":

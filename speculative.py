@@ -6,7 +6,6 @@ Three draft sources share one interface, `propose(context, k, params, generator)
   ModelDraft        a separate small model, or the target itself re-loaded quantized (self-draft), own KV cache;
   PromptLookupDraft the continuation of the latest earlier match of the context's last n-gram (q is one-hot).
 """
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -79,7 +78,7 @@ class ModelDraft:
         self.forwards = 0  # draft forward passes, for the cost ratio c
 
     def start(self, max_seq: int) -> None:
-        self.cache, self.cached = new_cache(self.model, 1, max_seq), []
+        self.cache, self.cached, self.forwards = new_cache(self.model, 1, max_seq), [], 0
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
@@ -269,19 +268,15 @@ def make_draft(args, model: Transformer, path: str, device: torch.device, dtype:
 
 def check_args(args, params: SamplingParams) -> bool:
     """Whether the CLI flags ask for speculative decoding; a ValueError for combinations it does not support."""
+    if args.speculate_k < 1:
+        raise ValueError(f"--speculate-k must be >= 1, got {args.speculate_k}")
     if not (args.draft_model or args.draft_quantize or args.prompt_lookup):
         return False
     if args.prompt_lookup and (args.draft_model or args.draft_quantize):
         raise ValueError("--prompt-lookup is a draft of its own; it cannot take --draft-model/--draft-quantize")
-    if args.speculate_k < 1:
-        raise ValueError(f"--speculate-k must be >= 1, got {args.speculate_k}")
     for flag, used in (("penalties", params.penalized), ("--logprobs", args.logprobs is not None),
                        ("--prompts-file", args.prompts_file), ("--interactive", args.interactive),
                        ("--compile", args.compile), ("--kv-cache-dtype int8", args.kv_cache_dtype != "model")):
         if used:
             raise ValueError(f"{flag} is not supported with speculative decoding")
     return True
-
-
-def print_stats(stats: SpecStats) -> None:
-    print(stats.report(), file=sys.stderr)

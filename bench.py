@@ -10,6 +10,7 @@ compute-bound. bench.py measures this machine's bandwidth itself and reports how
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -212,9 +213,10 @@ def run(args: argparse.Namespace) -> None:
     else:
         from load import load_model
 
-        model, name = load_model(args.model or default_model(), device, dtype,
+        model, path = load_model(args.model or default_model(), device, dtype,
                                  progress=not args.quiet and sys.stderr.isatty(), quantize=args.quantize,
                                  quantize_head=args.quantize_head)
+        name = os.path.basename(path.rstrip("/"))
     max_len = max(args.prompt_len) + args.new_tokens
     if max_len > model.args.max_seq_len:
         raise ValueError(f"prompt + new tokens = {max_len} exceeds the model's context of {model.args.max_seq_len}")

@@ -78,3 +78,21 @@ def test_compiled_decode_matches_eager_without_recompiling(model):
     with torch._dynamo.config.patch(error_on_recompile=True):
         again = greedy_logits(compiled, [11, 12, 13, 14], 32)
     assert (again - greedy_logits(decode_one, [11, 12, 13, 14], 32)).abs().max() <= 1e-4
+
+
+def test_gemv_backend_only_for_single_row_cpu_steps(model):
+    from generate import gemv_backend
+
+    assert torch.backends.mkldnn.enabled
+    with gemv_backend(torch.tensor([[5]])):
+        assert not torch.backends.mkldnn.enabled  # one row: MKL's GEMV
+    assert torch.backends.mkldnn.enabled  # restored
+    with gemv_backend(torch.tensor([[5], [6]])):
+        assert torch.backends.mkldnn.enabled  # two rows: oneDNN stays
+    # Same logits whichever backend runs the bf16 matmuls (up to bf16 rounding of the accumulation order).
+    bf16 = hf_to_ours(make_hf("llama-gqa")).to(torch.bfloat16)
+    cache = KVCache.for_model(bf16.args, 1, 8, torch.bfloat16, "cpu")
+    bf16(torch.tensor([[1, 2, 3]]), torch.arange(3), cache)
+    token, pos = torch.tensor([[4]]), torch.tensor([3])
+    reference = bf16(token, pos, cache)[:, -1]  # oneDNN, torch's default
+    assert (decode_one(bf16, token, pos, cache) - reference).abs().max() <= 0.05 * reference.abs().max()

@@ -91,6 +91,16 @@ class Step:
     top: list[tuple[int, float]] | None = None  # up to N (id, logprob) of that distribution, most likely first
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share: what a KV cache holding a can keep for b."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Session:
     """A KV cache kept across generation calls (multi-turn chat) and the tokens whose keys/values it holds,
     at positions 0..len(tokens)-1. The caller passes the whole conversation; only what differs is prefilled."""
@@ -118,12 +128,7 @@ class Session:
     def reusable(self, prompt: list[int]) -> int:
         """How many leading tokens of `prompt` the cache already holds. The last prompt token is always
         fed again: its logits start the decoding."""
-        n = 0
-        for cached, new in zip(self.tokens, prompt[:-1]):
-            if cached != new:
-                break
-            n += 1
-        return n
+        return common_prefix(self.tokens, prompt[:-1])
 
 
 def check_request(prompt: list[int], max_new_tokens: int, max_seq: int, what: str = "the model's context") -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from generate import Step, check_request, new_cache
+from generate import Step, check_request, common_prefix, new_cache
 from model import Transformer
 from sample import SamplingParams, logits_to_probs, sample
 
@@ -53,15 +53,6 @@ def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tu
 def draft_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(N, V) logits -> (N, V) probabilities of the distribution sampling draws from (the same for p and q)."""
     return logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class ModelDraft:

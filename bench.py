@@ -17,9 +17,10 @@ import time
 
 import torch
 
-from generate import DTYPES, compile_decode, decode_one, default_model, pick_device, run_cli
+from generate import DTYPES, compile_decode, decode_one, default_model, pick_device, pick_dtype, run_cli
 from kvcache import KVCache
 from model import ModelArgs, Transformer
+from quantize import weight_bytes
 
 # Published shapes, for random-weight runs and capacity plans.
 SHAPES = {
@@ -86,17 +87,6 @@ def measure_bandwidth(device: torch.device, nbytes: int = GiB) -> float:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def weight_bytes(model: Transformer) -> int:
-    """Bytes of parameters and buffers read by a decode step (tied weights once, RoPE tables excluded)."""
-    seen, total = set(), 0
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if name.startswith("rope_") or t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.nbytes
-    return total
 
 
 @torch.no_grad()
@@ -200,7 +190,7 @@ def run(args: argparse.Namespace) -> None:
         print(plan(SHAPES[args.shape], args.shape, args.memory_gib, args.context, bandwidth, args.peak_tflops,
                    args.kv_bytes))
         return
-    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = pick_dtype(args.dtype, device)
     if args.shape:
         if args.quantize:
             from quantize import quantize_model

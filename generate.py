@@ -523,6 +523,13 @@ def pick_device(name: str | None) -> torch.device:
     return device
 
 
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """A DTYPES name, or "auto": bfloat16 on CUDA, float32 on CPU."""
+    if name != "auto":
+        return DTYPES[name]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def run(args: argparse.Namespace) -> None:
     from load import load_model
     from tokenizer import load_tokenizer
@@ -539,7 +546,7 @@ def run(args: argparse.Namespace) -> None:
 
     speculate = speculative.check_args(args, params)
     device = pick_device(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = pick_dtype(args.dtype, device)
     progress = not args.quiet and sys.stderr.isatty()
 
     # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.

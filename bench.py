@@ -84,6 +84,31 @@ def measure_bandwidth(device: torch.device, nbytes: int = GiB) -> float:
     return nbytes / min(times) / 1e9
 
 
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype) -> float:
+    """TFLOP/s of a large square matmul in dtype on device, best of several: prefill's ceiling."""
+    n = 8192 if device.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    times = []
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / min(times) / 1e12
+
+
+def prefill_flops(args: ModelArgs, tokens: int) -> float:
+    """Matmul FLOPs of a prefill of `tokens` tokens: 2 per weight per token (every linear layer and the head;
+    the embedding is a lookup) plus causal attention's q k^T and p v (2 x 2 x H x D per query-key pair)."""
+    embedding_lookup = 0 if args.tie_embeddings else args.vocab_size * args.dim
+    norms = (2 * args.n_layers + 1) * args.dim
+    linear = param_count(args) - embedding_lookup - norms
+    pairs = tokens * (tokens + 1) / 2  # causal: query i sees keys 0..i
+    return 2 * linear * tokens + 4 * args.n_layers * args.n_heads * args.head_dim * pairs
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -110,7 +135,7 @@ def run_once(model, decode_step, batch_size: int, prompt_len: int, new_tokens: i
 
 
 def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs: int, compile: bool,
-          bandwidth: float) -> dict:
+          bandwidth: float, peak_tflops: float) -> dict:
     if compile:
         t0 = time.perf_counter()
         decode_step = compile_decode(device)
@@ -127,20 +152,24 @@ def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs
     return {
         "batch_size": batch_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs,
         "compile_s": compile_s, "ttft_ms": ttft * 1e3, "prefill_tok_s": batch_size * prompt_len / ttft,
+        "prefill_tflop_s": batch_size * prefill_flops(model.args, prompt_len) / ttft / 1e12,
+        "prefill_peak_pct": 100 * batch_size * prefill_flops(model.args, prompt_len) / ttft / 1e12 / peak_tflops,
         "tpot_ms": tpot * 1e3, "decode_tok_s": batch_size / tpot, "weight_bytes": wbytes,
         "kv_bytes_per_token": results[0]["kv_per_token"], "kv_bytes_total": results[0]["cache_bytes"],
         "achieved_gb_s": step_bytes / tpot / 1e9, "roofline_pct": 100 * step_bytes / tpot / 1e9 / bandwidth,
     }
 
 
-def print_table(rows: list[dict], header: str, bandwidth: float) -> None:
+def print_table(rows: list[dict], header: str, bandwidth: float, peak_tflops: float) -> None:
     print(header)
-    print(f"measured memory bandwidth: {bandwidth:.1f} GB/s (1 GiB read)")
-    cols = ["batch", "prompt", "TTFT ms", "prefill tok/s", "TPOT ms", "decode tok/s", "weights MB", "KV B/token",
-            "KV MB", "GB/s", "% roofline"]
+    print(f"measured memory bandwidth: {bandwidth:.1f} GB/s (1 GiB read); "
+          f"measured matmul peak: {peak_tflops:.2f} TFLOP/s (square matmul in the model dtype)")
+    cols = ["batch", "prompt", "TTFT ms", "prefill tok/s", "prefill TFLOP/s", "% peak", "TPOT ms", "decode tok/s",
+            "weights MB", "KV B/token", "KV MB", "GB/s", "% roofline"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join([f"{r['batch_size']}", f"{r['prompt_len']}", f"{r['ttft_ms']:.1f}", f"{r['prefill_tok_s']:.0f}",
+                          f"{r['prefill_tflop_s']:.3g}", f"{r['prefill_peak_pct']:.0f}%",
                           f"{r['tpot_ms']:.2f}", f"{r['decode_tok_s']:.1f}", f"{r['weight_bytes'] / 1e6:.1f}",
                           f"{r['kv_bytes_per_token']}", f"{r['kv_bytes_total'] / 1e6:.1f}",
                           f"{r['achieved_gb_s']:.1f}", f"{r['roofline_pct']:.0f}%"]))
@@ -211,7 +240,8 @@ def run(args: argparse.Namespace) -> None:
     if max_len > model.args.max_seq_len:
         raise ValueError(f"prompt + new tokens = {max_len} exceeds the model's context of {model.args.max_seq_len}")
     bandwidth = measure_bandwidth(device)
-    rows = [bench(model, device, b, p, args.new_tokens, args.runs, args.compile, bandwidth)
+    peak_tflops = measure_matmul_tflops(device, dtype)
+    rows = [bench(model, device, b, p, args.new_tokens, args.runs, args.compile, bandwidth, peak_tflops)
             for b in args.batch_size for p in args.prompt_len]
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
@@ -219,11 +249,11 @@ def run(args: argparse.Namespace) -> None:
               f"{'compiled' if args.compile else 'eager'} | {args.new_tokens} new tokens, median of {args.runs}")
     if args.compile:
         header += f" | compile + first run {rows[0]['compile_s']:.1f} s"
-    print_table(rows, header, bandwidth)
+    print_table(rows, header, bandwidth, peak_tflops)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": name, "device": device.type, "dtype": str(dtype), "compile": args.compile,
-                       "bandwidth_gb_s": bandwidth, "results": rows}, f, indent=2)
+                       "bandwidth_gb_s": bandwidth, "matmul_peak_tflop_s": peak_tflops, "results": rows}, f, indent=2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,8 +90,8 @@ def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torc
     N, K = codes.shape
     groups = scales_and_zeros.shape[0]
     s, z = scales_and_zeros.transpose(0, 1).unbind(-1)  # (N, K/G) each
-    w = (codes.view(N, groups, K // groups).float() - 8) * s.float()[..., None] + z.float()[..., None]
-    return w.view(N, K)
+    w = codes.view(N, groups, K // groups).float()  # (N, K/G, G), the one float32 temporary: in place below
+    return w.sub_(8).mul_(s.float()[..., None]).add_(z.float()[..., None]).view(N, K)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -139,7 +139,8 @@ class Int8Linear(nn.Module):
     def quantize_weight(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """The buffers (weight, scales) this module holds for float weight w (N, K)."""
         assert tuple(w.shape) == (self.out_features, self.in_features), f"{tuple(w.shape)} vs {self}"
-        w = F.pad(w, (0, self.in_padded - self.in_features))
+        if self.in_padded != self.in_features:
+            w = F.pad(w, (0, self.in_padded - self.in_features))
         blocks = [quantize_int8(b, self.scales.dtype) for b in w.split(ROW_BLOCK)]  # bounded temporaries
         return {"weight": torch.cat([c for c, _ in blocks]), "scales": torch.cat([s for _, s in blocks])}
 
@@ -185,7 +186,8 @@ class Int4Linear(nn.Module):
     def quantize_weight(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """The plain buffers (weight, scales_and_zeros) this module holds for float weight w (N, K)."""
         assert tuple(w.shape) == (self.out_features, self.in_features), f"{tuple(w.shape)} vs {self}"
-        w = F.pad(w, (0, self.in_padded - self.in_features, 0, self.out_padded - self.out_features))
+        if (self.out_padded, self.in_padded) != tuple(w.shape):  # F.pad copies even when it adds nothing
+            w = F.pad(w, (0, self.in_padded - self.in_features, 0, self.out_padded - self.out_features))
         blocks = [quantize_int4(b, self.group_size, KERNEL_DTYPE) for b in w.split(ROW_BLOCK)]  # bounded temporaries
         return {"weight": torch.cat([pack_int4(c) for c, _ in blocks]),
                 "scales_and_zeros": torch.cat([sz for _, sz in blocks], dim=1)}
@@ -240,6 +242,8 @@ class Int4Linear(nn.Module):
         destination[prefix + "scales_and_zeros"] = self.scales_and_zeros
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "weight" not in state_dict:  # not this module's turn (a loader filled it already)
+            return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # reports what is missing
         if self.kernel is not None:  # back to a plain buffer that the incoming plain bytes can be copied into
             self.weight, self.kernel = pack_int4(self.codes()), None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

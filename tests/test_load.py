@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from load import load_model, unpermute_qk
-from tiny_models import SEQ_LEN, make_hf
+from tiny_models import PEAK_RSS, SEQ_LEN, make_hf
 
 torch.set_grad_enabled(False)
 
@@ -161,13 +161,13 @@ def test_smollm2_greedy_matches_transformers(smollm2, prompt):
 def test_smollm2_load_memory(smollm2_gguf):
     """Loading must not need more than ~2x the final weight bytes of RAM (peak RSS growth)."""
     code = (
-        "import resource, sys, torch, gguf, numpy\n"
+        "import sys, torch, gguf, numpy\n"
         "from load import load_model\n"
-        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"{PEAK_RSS}\n"
+        "base = peak_rss()\n"
         "model, _ = load_model(sys.argv[1], 'cpu', torch.float32)\n"
-        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "weights = sum(p.nbytes for p in model.parameters())\n"  # parameters() counts the tied head once
-        "print((peak - base) * 1024 / weights)\n"
+        "print((peak_rss() - base) / weights)\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code, smollm2_gguf], cwd=root, capture_output=True, text=True,

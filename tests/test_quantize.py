@@ -13,7 +13,7 @@ import quantize as q
 from generate import generate
 from kvcache import KVCache
 from load import load_model
-from tiny_models import hf_to_ours, make_hf
+from tiny_models import PEAK_RSS, hf_to_ours, make_hf
 from tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,6 +194,29 @@ def test_quality_on_smollm2(smollm2_reference, mode, kv, min_top1, max_kl):
     row = q.compare(ref, q.teacher_forced_logprobs(test_model, tokens, kv), tokens)
     assert len(tokens) > 1000
     assert row["top1"] >= min_top1 and row["kl"] <= max_kl, row
+
+
+def load_peak_rss(path: str, *load_args: str) -> tuple[float, float]:
+    """(peak RSS growth, weight bytes) of load_model(path, 'cpu', bf16, *load_args) in a fresh process."""
+    code = ("import sys, torch, gguf, numpy\n"
+            "from load import load_model\n"
+            "from quantize import weight_bytes\n"
+            f"{PEAK_RSS}\n"
+            "base = peak_rss()\n"
+            "model, _ = load_model(sys.argv[1], 'cpu', torch.bfloat16, quantize=(sys.argv[2:] or [None])[0])\n"
+            "print(peak_rss() - base, weight_bytes(model))\n")
+    out = subprocess.run([sys.executable, "-c", code, path, *load_args], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    growth, weights = out.stdout.split()
+    return float(growth), float(weights)
+
+
+def test_int4_load_peak_memory_below_bf16(smollm2_gguf):
+    """Quantize-at-load never holds the float model: the int4 load's peak must undercut the bf16 load's by
+    most of the weight bytes it saves (~146 MB on SmolLM2)."""
+    bf16_peak, bf16_weights = load_peak_rss(smollm2_gguf)
+    int4_peak, int4_weights = load_peak_rss(smollm2_gguf, "int4")
+    assert int4_peak < bf16_peak - 0.6 * (bf16_weights - int4_weights), (int4_peak / 1e6, bf16_peak / 1e6)
 
 
 # ---- quantized checkpoints ----

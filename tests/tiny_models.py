@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face models (no download) shared by the tests, and a plain reference attention."""
+"""Tiny random Hugging Face models (no download) shared by the tests, a plain reference attention, and a
+peak-memory probe for test subprocesses."""
 import math
 
 import torch
@@ -49,3 +50,10 @@ def reference_attention(q, k, v, mask):
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, S)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v  # (B, H, T, D)
+
+
+# Source of peak_rss(), the process's peak RSS in bytes, for test subprocesses to exec. Not getrusage's
+# ru_maxrss: Linux carries that across exec, so a child of the (large) pytest process starts at its peak.
+PEAK_RSS = ("def peak_rss():\n"
+            "    with open('/proc/self/status') as f:\n"
+            "        return next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmHWM:'))")

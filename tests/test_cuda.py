@@ -1,0 +1,115 @@
+"""The CUDA paths: the int8/int4 kernels (tinygemm for int4) against their dequantize-then-matmul reference,
+CUDA logits against CPU ones, and the CUDA-graph compiled decode step (reduce-overhead) against eager.
+They need a GPU, so CI (CPU only) skips them; the GPU check runs them (see README, Benchmarks)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import quantize as q
+from generate import compile_decode, decode_one, generate
+from kvcache import KVCache
+from tiny_models import hf_to_ours, make_hf
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+torch.set_grad_enabled(False)
+CUDA = torch.device("cuda")
+SHAPES = [(64, 64), (40, 72), (17, 33), (96, 160), (4096, 4096)]  # (N, K): odd ones take the padding path
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def quantized_linear(mode: str, n: int, k: int, dtype: torch.dtype):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(k, n, bias=False).to(CUDA, dtype)
+    module = q.make_quantized_linear(*q.parse_mode(mode), linear, dtype)
+    module.load_state_dict(module.quantize_weight(linear.weight))
+    return linear, module
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4:32", "int4:64", "int4:128", "int4:256"])
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_cuda_kernel_matches_dequantize_then_matmul(mode, n, k, dtype, rows):
+    linear, module = quantized_linear(mode, n, k, dtype)
+    if mode.startswith("int4"):
+        assert module.kernel == "cuda"  # tinygemm, not the reference path
+    x = torch.randn(rows, 3, k, dtype=dtype, device=CUDA)
+    y = module(x)
+    assert y.shape == (rows, 3, n) and y.dtype == dtype
+    assert rel_err(y, F.linear(x.float(), module.dequantize().float())) < 1e-2
+    tolerance = 0.01 if mode == "int8" else 0.1
+    assert rel_err(module.dequantize(), linear.weight) < tolerance
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_cuda_int4_layout_round_trips_to_plain_codes(n, k):
+    """tinygemm's packed layout reads back to the plain codes, and the state dict has the plain layout."""
+    linear, module = quantized_linear("int4:32", n, k, torch.bfloat16)
+    plain = module.quantize_weight(linear.weight)["weight"]
+    assert torch.equal(q.pack_int4(module.codes()), plain)
+    assert torch.equal(module.state_dict()["weight"], plain)
+
+
+def test_cuda_checkpoint_loads_on_cpu():
+    """A state dict written on CUDA (plain layout) gives the same weight on CPU's kernel layout."""
+    _, cuda_module = quantized_linear("int4:64", 96, 160, torch.bfloat16)
+    cpu_module = q.Int4Linear(160, 96, 64)
+    cpu_module.load_state_dict({k: v.cpu() for k, v in cuda_module.state_dict().items()})
+    torch.testing.assert_close(cpu_module.dequantize(), cuda_module.dequantize().cpu(), rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def models():
+    cpu = hf_to_ours(make_hf("llama-gqa"))
+    cuda = hf_to_ours(make_hf("llama-gqa")).to(CUDA)
+    return cpu, cuda
+
+
+def test_cuda_logits_match_cpu(models):
+    cpu, cuda = models
+    tokens = torch.randint(0, cpu.args.vocab_size, (2, 40))
+    ref = cpu(tokens, torch.arange(40), all_logits=True)
+    got = cuda(tokens.to(CUDA), torch.arange(40, device=CUDA), all_logits=True)
+    assert (got.cpu() - ref).abs().max() <= 1e-4
+
+
+def forced_logits(model, step, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Prefill prompt, then feed `tokens` one decode step at a time: the logits (1 + len(tokens), V). Teacher
+    forcing keeps two runs on the same inputs even where a near-tie would flip a greedy choice. Each step's
+    output is cloned: a CUDA graph replay reuses its output buffer."""
+    cache = KVCache.for_model(model.args, 1, len(prompt) + len(tokens), model.embed_tokens.weight.dtype, CUDA)
+    out = [model(torch.tensor([prompt], device=CUDA), torch.arange(len(prompt), device=CUDA), cache)[:, -1]]
+    for pos, token in enumerate(tokens, start=len(prompt)):
+        out.append(step(model, torch.tensor([[token]], device=CUDA), torch.tensor([pos], device=CUDA), cache).clone())
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("mode", [None, "int8", "int4:32"])
+def test_cuda_graph_decode_matches_eager_without_recompiling(models, mode):
+    """reduce-overhead (CUDA graphs) decode == eager over 32 greedy steps; a second generation of the same
+    shape does not recompile. fp32 for the float model (<= 1e-4); bf16, the kernels' dtype, quantized."""
+    import torch._dynamo
+
+    model = models[1]
+    if mode is not None:
+        import copy
+
+        model = q.quantize_model(copy.deepcopy(model).to(torch.bfloat16), mode)
+    torch._dynamo.reset()
+    compiled = compile_decode(CUDA)
+    for i, prompt in enumerate([[7, 8, 9, 10], [11, 12, 13, 14]]):
+        tokens = list(generate(model, prompt, 31))
+        eager = forced_logits(model, decode_one, prompt, tokens)
+        tolerance = 1e-4 if mode is None else 2e-2 * eager.abs().max().item()
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):  # the second prompt: no recompiling
+            got = forced_logits(model, compiled, prompt, tokens)
+        assert (got - eager).abs().max() <= tolerance
+
+
+def test_cuda_generate_matches_cpu(models):
+    cpu, cuda = models
+    prompt = [5, 17, 42, 99, 3]
+    assert list(generate(cuda, prompt, 40)) == list(generate(cpu, prompt, 40))

@@ -17,11 +17,11 @@ step() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-step 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py
+step 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py
 bench="python3 bench.py --device cuda --dtype bfloat16 --runs 3"
-step 120 $bench --shape llama-2-7b --compile --json "$out/llama2_bf16.json"
-step 120 $bench --shape llama-2-7b --compile --quantize int4 --json "$out/llama2_int4.json"
-step 120 $bench --shape llama-2-7b --compile --quantize int8 --json "$out/llama2_int8.json"
-step 45 $bench --shape llama-2-7b --prompt-len 2048 --new-tokens 2 --json "$out/llama2_prefill.json"
-step 40 $bench --shape smollm2-135m --compile
-step 40 $bench --shape smollm2-135m --compile --json "$out/smollm2_bf16.json"
+step 110 $bench --shape llama-2-7b --compile --json "$out/llama2_bf16.json"
+step 110 $bench --shape llama-2-7b --compile --quantize int4 --json "$out/llama2_int4.json"
+step 110 $bench --shape llama-2-7b --compile --quantize int8 --json "$out/llama2_int8.json"
+step 40 $bench --shape llama-2-7b --prompt-len 2048 --new-tokens 2 --json "$out/llama2_prefill.json"
+step 35 $bench --shape smollm2-135m --compile
+step 35 $bench --shape smollm2-135m --compile --json "$out/smollm2_bf16.json"

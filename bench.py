@@ -138,7 +138,7 @@ def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs
           bandwidth: float, peak_tflops: float) -> dict:
     if compile:
         t0 = time.perf_counter()
-        decode_step = compile_decode(device)
+        decode_step = compile_decode(model)
         run_once(model, decode_step, batch_size, prompt_len, new_tokens, device)  # compiles
         compile_s = time.perf_counter() - t0
     else:

@@ -99,7 +99,7 @@ def test_cuda_graph_decode_matches_eager_without_recompiling(models, mode):
 
         model = q.quantize_model(copy.deepcopy(model).to(torch.bfloat16), mode)
     torch._dynamo.reset()
-    compiled = compile_decode(CUDA)
+    compiled = compile_decode(model)
     for i, prompt in enumerate([[7, 8, 9, 10], [11, 12, 13, 14]]):
         tokens = list(generate(model, prompt, 31))
         eager = forced_logits(model, decode_one, prompt, tokens)

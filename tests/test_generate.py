@@ -72,7 +72,7 @@ def test_compiled_decode_matches_eager_without_recompiling(model):
         return torch.cat(out)  # (n, V)
 
     torch._dynamo.reset()
-    compiled = compile_decode(torch.device("cpu"))
+    compiled = compile_decode(model)
     eager = greedy_logits(decode_one, [7, 8, 9, 10], 32)
     assert (greedy_logits(compiled, [7, 8, 9, 10], 32) - eager).abs().max() <= 1e-4
     with torch._dynamo.config.patch(error_on_recompile=True):

@@ -540,6 +540,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def run(args: argparse.Namespace) -> None:
+    import tp
     from load import load_model
     from tokenizer import load_tokenizer
 
@@ -555,17 +556,29 @@ def run(args: argparse.Namespace) -> None:
 
     speculate = speculative.check_args(args, params)
     device = pick_device(args.device)
+    shard = tp.from_env()  # launched by torchrun with several processes: tensor parallel
+    if shard is not None:
+        if args.interactive or speculate:
+            raise ValueError("tensor parallel (torchrun) does not support --interactive or speculative decoding")
+        device = tp.device_for(shard, device)
+        if shard.rank > 0:  # every rank computes the same tokens; rank 0 alone writes them
+            args.quiet, sys.stdout = True, open(os.devnull, "w")
     dtype = pick_dtype(args.dtype, device)
     progress = not args.quiet and sys.stderr.isatty()
 
     # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
     model, path = load_model(args.model or default_model(), device, dtype, progress=progress,
-                             quantize=args.quantize, quantize_head=args.quantize_head)
+                             quantize=args.quantize, quantize_head=args.quantize_head, shard=shard)
     tokenizer = load_tokenizer(path)
+    seed = args.seed if args.seed is not None else torch.seed()
     generator = torch.Generator(device=device)
-    generator.manual_seed(args.seed if args.seed is not None else torch.seed())
+    generator.manual_seed(seed if shard is None else tp.same_seed(seed, device))
+    if shard is not None:
+        tp.install(model)
     decode_step = compile_decode(model) if args.compile else decode_one
     setup = f"{device.type} {str(dtype).removeprefix('torch.')}{' compiled' if args.compile else ''}"
+    if shard is not None:
+        setup += f" | tensor parallel x{shard.world} (this rank's weights)"
     setup += quantization_summary(model, args.kv_cache_dtype)
     system = [{"role": "system", "content": args.system}] if args.system else []
 

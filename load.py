@@ -57,10 +57,12 @@ def resolve_model_path(model: str) -> str:
 
 
 def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progress: bool = False,
-               quantize: str | None = None, quantize_head: bool = False) -> tuple[Transformer, str]:
+               quantize: str | None = None, quantize_head: bool = False, shard=None) -> tuple[Transformer, str]:
     """Load `model` (HF folder, hub id or .gguf file) onto device in dtype; returns (model, local path).
     quantize ('int8', 'int4', 'int4:GROUP') quantizes the linear layers (and the head with quantize_head)
-    while loading; a quantized checkpoint loads as saved, and a different `quantize` for it is an error."""
+    while loading; a quantized checkpoint loads as saved, and a different `quantize` for it is an error.
+    shard (a tp.Shard) loads only this rank's slices into its smaller model (safetensors: only those bytes
+    are read), ready for tp.install."""
     if quantize is not None:
         from quantize import parse_mode
 
@@ -69,12 +71,12 @@ def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progr
         raise ValueError("quantize_head (--quantize-head) needs a quantization mode (--quantize)")
     path = resolve_model_path(model)
     if os.path.isdir(path):
-        return load_hf_folder(path, device, dtype, progress, quantize, quantize_head), path
+        return load_hf_folder(path, device, dtype, progress, quantize, quantize_head, shard), path
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a GGUF file")
-    return load_gguf(path, device, dtype, progress, quantize, quantize_head), path
+    return load_gguf(path, device, dtype, progress, quantize, quantize_head, shard), path
 
 
 def release_freed_memory() -> None:
@@ -187,7 +189,7 @@ def read_json(path: str) -> dict:
 
 
 def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False,
-                   quantize: str | None = None, quantize_head: bool = False) -> Transformer:
+                   quantize: str | None = None, quantize_head: bool = False, shard=None) -> Transformer:
     """A Hugging Face folder: config.json plus model.safetensors or a sharded index;
     a folder quantize.py wrote is rebuilt with its quantized modules."""
     from safetensors import safe_open
@@ -195,7 +197,8 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"no config.json in model folder {path!r}")
-    args = ModelArgs.from_hf_config(read_json(config_file))
+    full_args = ModelArgs.from_hf_config(read_json(config_file))
+    args = shard.args(full_args) if shard else full_args
     index_file = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_file):
         weight_map = read_json(index_file)["weight_map"]  # tensor name -> shard file
@@ -209,6 +212,9 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
         if not os.path.isfile(os.path.join(path, file)):
             raise FileNotFoundError(f"safetensors shard {os.path.join(path, file)!r} listed in the index is missing")
     saved = checkpoint_quantization(path, files, quantize, quantize_head)
+    if saved is not None and shard is not None:
+        raise ValueError(f"{path!r} is a quantized checkpoint, which tensor parallel cannot slice; load the "
+                         "original weights with --quantize instead")
 
     with torch.device("meta"):
         model = Transformer(args)
@@ -226,13 +232,14 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
                 found[key.removeprefix("model.")] = (file, key, handles[file].get_slice(key).get_shape())
         except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
             raise ValueError(f"cannot read safetensors file {full!r}: {e}") from None
-    check_tensors(expected_shapes(model), {k: v[2] for k, v in found.items()}, path)
+    shapes = {k: shard.local_shape(k, v[2], full_args) if shard else v[2] for k, v in found.items()}
+    check_tensors(expected_shapes(model), shapes, path)
     convert, filled = quantizer(model, quantize, quantize_head)
 
     state = {}
     for name, (file, key, _) in tqdm(found.items(), desc="loading", disable=not progress, unit="tensor"):
         try:
-            t = handles[file].get_tensor(key)
+            t = shard.read(name, handles[file].get_slice(key), full_args) if shard else handles[file].get_tensor(key)
         except Exception as e:
             raise ValueError(f"cannot read tensor {key!r} from {file!r}: {e}") from None
         if not t.is_floating_point():  # quantized codes keep their integer dtype
@@ -313,7 +320,7 @@ def gguf_dequantize(t, shape: tuple[int, ...], rows: int = 4096) -> torch.Tensor
 
 
 def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
-              quantize: str | None = None, quantize_head: bool = False) -> Transformer:
+              quantize: str | None = None, quantize_head: bool = False, shard=None) -> Transformer:
     """A llama-architecture GGUF file, dequantized to dtype with the gguf package (or, with quantize, from
     float32 straight to int8/int4 codes)."""
     import gguf
@@ -322,15 +329,19 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError) as e:
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from None
-    args = gguf_args(reader)
+    full_args = gguf_args(reader)
     tensors = {gguf_tensor_name(t.name): t for t in reader.tensors}
     rope_freqs = tensors.pop("rope_freqs.weight", None)  # Llama 3.1 GGUFs: per-frequency rope divisors
     if rope_freqs is not None:
-        args.rope_freq_factors = tuple(float(x) for x in rope_freqs.data)
+        full_args.rope_freq_factors = tuple(float(x) for x in rope_freqs.data)
+    args = shard.args(full_args) if shard else full_args
     with torch.device("meta"):
         model = Transformer(args)
     # GGUF lists dimensions fastest-first; torch shapes are the reverse.
-    check_tensors(expected_shapes(model), {k: tuple(reversed(t.shape.tolist())) for k, t in tensors.items()}, path)
+    shapes = {k: tuple(reversed(t.shape.tolist())) for k, t in tensors.items()}
+    if shard:
+        shapes = {k: shard.local_shape(k, v, full_args) for k, v in shapes.items()}
+    check_tensors(expected_shapes(model), shapes, path)
     reader.fields.clear()  # the metadata (the vocabulary: ~100k small arrays, ~100 MB) is read; free it
     convert, filled = quantizer(model, quantize, quantize_head)
 
@@ -339,7 +350,9 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
         shape = tuple(reversed(t.shape.tolist()))
         w = gguf_dequantize(t, shape)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute_qk(w, args.n_heads if "q_proj" in name else args.n_kv_heads)
+            w = unpermute_qk(w, full_args.n_heads if "q_proj" in name else full_args.n_kv_heads)
+        if shard:
+            w = shard.take(name, w, full_args)  # a GGUF block packs whole rows: dequantize, then slice
         state.update(convert(name, w, device, dtype))
         release_freed_memory()
     return assign_weights(model, state, device, frozenset(filled))

@@ -6,6 +6,7 @@ Shape legend used in the comments:
 Loading and converting checkpoints lives in load.py; the KV cache in kvcache.py.
 """
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -170,10 +171,14 @@ class Block(nn.Module):
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
+        # Tensor parallel (tp.py): this rank's o_proj / down_proj outputs are partial sums; this adds them up.
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
-        h = x + self.self_attn(self.input_layernorm(x), input_pos, cos, sin, mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(x), input_pos, cos, sin, mask, cache)
+        h = x + (a if self.all_reduce is None else self.all_reduce(a))
+        m = self.mlp(self.post_attention_layernorm(h))
+        return h + (m if self.all_reduce is None else self.all_reduce(m))
 
 
 class Transformer(nn.Module):

@@ -109,3 +109,65 @@ class KVCache:
         """Bytes one position of one sequence takes across layers: 2 (k and v) x layers x kv heads x
         (head dim x element size, + 4 for the float32 scale when int8)."""
         return self.nbytes // (self.batch_size * self.max_seq_len)
+
+
+# ---- the paged cache: a pool of fixed-size blocks, handed to sequences on demand (engine.py) ----
+
+class BlockPool:
+    """The KV memory of a serving engine: per layer, keys and values for `num_blocks` blocks of `block_size`
+    positions, (N_blocks, K, block_size, D) each. A sequence owns a list of blocks (its block table); position p
+    lives in slot p % block_size of block table[p // block_size]. Nothing is reserved per sequence up front, so
+    memory follows the tokens actually held, and blocks with equal contents can be shared (prefix caching).
+    Block 0 is never handed out: it pads block tables, and the mask hides whatever it holds."""
+
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_blocks, n_kv_heads, block_size, head_dim)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+
+    @classmethod
+    def for_model(cls, args, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device | str) -> "BlockPool":
+        return cls(args.n_layers, num_blocks, block_size, args.n_kv_heads, args.head_dim, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.k, *self.v))
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.nbytes // (self.num_blocks * self.block_size)
+
+
+class PagedKVCache:
+    """The KVCache interface over a BlockPool for one forward pass of B rows, each with its block table
+    (B, N) (padded with block 0). Attention sees each row's blocks gathered in table order, so key index j is
+    position j of that row and the model's position mask works unchanged; S = N x block_size."""
+
+    def __init__(self, pool: BlockPool, block_tables: torch.Tensor):
+        self.max_seq_len = block_tables.shape[1] * pool.block_size
+        self.layers = [PagedLayer(k, v, block_tables, pool.block_size) for k, v in zip(pool.k, pool.v)]
+
+
+class PagedLayer:
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, block_size: int):
+        self.k_pool, self.v_pool, self.tables, self.block_size = k_pool, v_pool, block_tables, block_size
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (B, K, T, D) at positions input_pos ((T,) or (B, T)) into the rows' blocks; return every
+        row's blocks gathered, (B, K, S, D)."""
+        B, K, T, D = k.shape
+        pos = input_pos.expand(B, T)  # (B, T)
+        blocks = self.tables.gather(1, pos // self.block_size)  # (B, T) block ids
+        slots = pos % self.block_size  # (B, T)
+        self.k_pool[blocks, :, slots] = k.transpose(1, 2).to(self.k_pool.dtype)  # indexed view is (B, T, K, D)
+        self.v_pool[blocks, :, slots] = v.transpose(1, 2).to(self.v_pool.dtype)
+        N = self.tables.shape[1]
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            # (B, N) ids -> (B, N, K, bs, D) -> (B, K, N, bs, D) -> (B, K, S, D)
+            return pool[self.tables].transpose(1, 2).reshape(B, K, N * self.block_size, D)
+
+        return gather(self.k_pool), gather(self.v_pool)

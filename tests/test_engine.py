@@ -1,0 +1,210 @@
+"""The serving engine against generate.py: paged attention vs the static cache, continuous batching with chunked
+prefill, prefix-cache hits and preemption token-identical to single runs, and block accounting."""
+import random
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, QueueFull, Request
+from generate import generate, generate_steps
+from kvcache import BlockPool, KVCache, PagedKVCache
+from sample import SamplingParams
+from tiny_models import hf_to_ours, make_hf
+
+torch.set_grad_enabled(False)
+
+
+class ToyTokenizer:
+    """Token i is the text '<i>'; no EOS unless given."""
+
+    def __init__(self, eos_ids=()):
+        self.eos_ids = list(eos_ids)
+
+    def stream(self):
+        class Decoder:
+            def push(self, token):
+                return f"<{token}>"
+
+            def flush(self):
+                return ""
+        return Decoder()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hf_to_ours(make_hf("llama-gqa"))  # fp32, context 256
+
+
+def random_prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 160, (n,), generator=g).tolist() for n in lengths]
+
+
+LENGTHS = [3, 17, 40, 9, 33, 64, 5, 21, 50, 12]
+
+
+def test_paged_logits_equal_static_cache(model):
+    """Two rows at different positions, blocks scattered through the pool: the logits of a prefill in two chunks
+    and of batched decode steps equal the static cache's."""
+    pool = BlockPool.for_model(model.args, 40, 4, torch.float32, "cpu")
+    tables = torch.tensor([[5, 3, 9, 1, 2, 7, 11, 12, 13, 14, 15, 16],
+                           [20, 39, 21, 22, 8, 23, 24, 25, 26, 27, 28, 29]])  # (2, 12): 48 positions each
+    prompts = random_prompts([30, 21])
+    for b, prompt in enumerate(prompts):
+        static = KVCache.for_model(model.args, 1, 48, torch.float32, "cpu")
+        paged = PagedKVCache(pool, tables[b:b + 1])
+        x = torch.tensor([prompt])
+        for lo, hi in [(0, 13), (13, len(prompt))]:
+            want = model(x[:, lo:hi], torch.arange(lo, hi), static, all_logits=True)
+            got = model(x[:, lo:hi], torch.arange(lo, hi), paged, all_logits=True)
+            assert (got - want).abs().max() <= 1e-5
+    # batched decode: row 0 at position 30, row 1 at 21 (per-row positions), against each row's static cache
+    statics = []
+    for prompt in prompts:
+        statics.append(KVCache.for_model(model.args, 1, 48, torch.float32, "cpu"))
+        model(torch.tensor([prompt]), torch.arange(len(prompt)), statics[-1])
+    pos = torch.tensor([[30], [21]])
+    for step in range(5):
+        tokens = torch.tensor([[7 + step], [90 - step]])
+        got = model(tokens, pos, PagedKVCache(pool, tables))[:, -1]
+        for b in range(2):
+            want = model(tokens[b:b + 1], pos[b], statics[b])[:, -1]
+            assert (got[b] - want[0]).abs().max() <= 1e-5
+        pos += 1
+
+
+CONFIGS = {
+    "roomy": EngineConfig(block_size=4, num_blocks=200, max_running=16, token_budget=512),
+    "chunked-prefill": EngineConfig(block_size=4, num_blocks=200, max_running=16, token_budget=24),
+    "preemption": EngineConfig(block_size=4, num_blocks=30, max_running=16, token_budget=24),
+    "static-batching": EngineConfig(block_size=8, num_blocks=100, max_running=4, token_budget=64,
+                                    static_batching=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_concurrent_greedy_equals_single_runs(model, name):
+    prompts = random_prompts(LENGTHS)
+    prompts += [prompts[2][:30] + [7, 8], prompts[5] + [1, 2, 3]]  # share full blocks with earlier prompts
+    expected = [list(generate(model, p, 20)) for p in prompts]
+    engine = Engine(model, ToyTokenizer(), CONFIGS[name])
+    for _ in range(2):  # the second round hits the prefix cache (where memory allows)
+        got = engine.generate(prompts, max_tokens=20)
+        assert [c.tokens for c in got] == expected
+        assert [c.text for c in got] == ["".join(f"<{t}>" for t in e) for e in expected]
+        assert all(c.finish_reason == "length" for c in got)
+    stats = engine.stats()
+    assert stats["running"] == stats["waiting"] == stats["blocks_used"] == 0
+    if name == "preemption":
+        assert stats["preemptions"] > 0
+    if name == "roomy":
+        assert got[11].prefilled < len(prompts[11])  # prefix hit: fewer prompt tokens computed
+        assert max(c.prefilled for c in got) < 10  # second round: (almost) every prompt from the cache
+
+
+def test_prefix_hit_verifies_tokens(model):
+    """A block whose chained hash matches but whose tokens differ (a forced collision) is not reused."""
+    import engine as engine_module
+
+    prompts = random_prompts([20, 20], seed=3)
+    expected = [list(generate(model, p, 8)) for p in prompts]
+    eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60))
+    original = engine_module.chain_hash
+    try:
+        engine_module.chain_hash = lambda previous, tokens: previous * 31 + len(tokens)  # collides on every block
+        got = [eng.generate([p], max_tokens=8)[0] for p in prompts]
+    finally:
+        engine_module.chain_hash = original
+    assert [c.tokens for c in got] == expected
+    assert got[1].prefilled == 20  # nothing reused: the tokens did not match
+
+
+def test_sampled_requests_match_generate_with_the_same_seed(model):
+    """Each request samples with its own parameters and generator: seeded, the engine's tokens are
+    generate_steps' tokens with that seed, however the requests are batched."""
+    prompts = random_prompts([7, 25, 13, 40], seed=5)
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.2)
+    expected = []
+    for i, p in enumerate(prompts):
+        g = torch.Generator().manual_seed(100 + i)
+        expected.append([s.token for s in generate_steps(model, p, 16, params, g)])
+    eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=100, max_running=4, token_budget=16))
+    results = {}
+    for i, p in enumerate(prompts):
+        eng.submit(Request(p, params, 16, seed=100 + i,
+                           on_event=lambda e: results.setdefault(e.request_id, []).extend(e.token_ids)))
+    while eng.step():
+        pass
+    assert [results[i] for i in range(len(prompts))] == expected
+
+
+def test_stop_eos_and_max_tokens(model):
+    prompt = random_prompts([10], seed=7)[0]
+    full = list(generate(model, prompt, 12))
+    eng = Engine(model, ToyTokenizer(eos_ids=[full[5]]), EngineConfig(block_size=4, num_blocks=60))
+    c = eng.generate([prompt], max_tokens=12)[0]
+    assert c.finish_reason == "eos" and c.tokens == full[:full.index(full[5]) + 1]
+    eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60))
+    c = eng.generate([prompt], max_tokens=12, stop=[f"<{full[3]}>"])[0]
+    assert c.finish_reason == "stop" and c.text == "".join(f"<{t}>" for t in full[:full.index(full[3])])
+
+
+def test_block_accounting_with_aborts(model):
+    """120 requests of random lengths through a 40-block pool, a quarter aborted at random moments: afterwards
+    no block is held, and free + cached blocks make up the whole pool."""
+    rng = random.Random(0)
+    eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=40, max_running=6, token_budget=32,
+                                                     max_waiting=200))
+    finished = {}
+    ids = []
+    for n in range(120):
+        prompt = [rng.randrange(1, 160) for _ in range(rng.randrange(1, 60))]
+        if n % 3 == 0 and ids:  # some shared prefixes
+            prompt = [rng.randrange(1, 160) for _ in range(8)] * 2 + prompt[:20]
+        ids.append(eng.submit(Request(prompt, max_tokens=rng.randrange(1, 12),
+                                      on_event=lambda e: e.finished and finished.setdefault(e.request_id, e))))
+        if rng.random() < 0.25:
+            eng.abort(rng.choice(ids))
+        if n % 4 == 0:
+            eng.step()
+    while eng.step():
+        if rng.random() < 0.05:
+            eng.abort(rng.choice(ids))
+    assert sorted(finished) == ids
+    assert any(e.finish_reason == "abort" for e in finished.values())
+    stats = eng.stats()
+    assert stats["running"] == stats["waiting"] == stats["blocks_used"] == 0
+    assert all(r == 0 for r in eng.blocks.refs)
+    assert len(eng.blocks.free) + len(eng.blocks.evictable) == stats["blocks_total"]
+
+
+def test_bad_requests(model):
+    eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=10, max_waiting=2, max_running=4))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        eng.submit(Request([]))
+    with pytest.raises(ValueError, match="needs up to 13 KV blocks; the pool has 9"):
+        eng.submit(Request([1] * 40, max_tokens=10))
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        eng.submit(Request([1, 2], stop=[""]))
+    eng.submit(Request([1, 2]))
+    eng.submit(Request([3, 4]))
+    with pytest.raises(QueueFull, match="the queue is full"):
+        eng.submit(Request([5, 6]))
+    with pytest.raises(ValueError, match="token_budget"):
+        Engine(model, ToyTokenizer(), EngineConfig(max_running=64, token_budget=32))
+
+
+def test_smollm2_concurrent_greedy_equals_single_runs(smollm2_gguf):
+    """8 real prompts of mixed lengths, fp32, chunked prefill: the same tokens as generate.py, one at a time."""
+    from load import load_model
+    from tokenizer import load_tokenizer
+
+    model, path = load_model(smollm2_gguf, "cpu", torch.float32)
+    tok = load_tokenizer(path)
+    with open("data/pride_and_prejudice_ch1-2.txt", encoding="utf-8") as f:
+        text = f.read()
+    prompts = [tok.encode(text[i * 300:i * 300 + n]) for i, n in enumerate([40, 400, 120, 900, 60, 250, 700, 30])]
+    expected = [list(generate(model, p, 24, stop_ids=tok.eos_ids)) for p in prompts]
+    eng = Engine(model, tok, EngineConfig(block_size=16, num_blocks=256, token_budget=128))
+    got = eng.generate(prompts, max_tokens=24)
+    assert [c.tokens for c in got] == expected

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from generate import Completion, Step, TextStream, check_request, penalty_state, pick
+from generate import Completion, Step, TextStream, check_request, gemv_backend, penalty_state, pick
 from kvcache import BlockPool, PagedKVCache
 from model import Transformer
 from sample import SamplingParams
@@ -330,7 +330,8 @@ class Engine:
     def _run_decodes(self, seqs: list[Sequence_]) -> None:
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)  # (B, 1)
         pos = torch.tensor([[s.n_computed] for s in seqs], device=self.device)  # (B, 1) per-row positions
-        logits = self.model(tokens, pos, PagedKVCache(self.pool, self._tables(seqs)))[:, -1]  # (B, V)
+        with gemv_backend(tokens):  # one row: the GEMV-friendly CPU matmul backend, as generate.decode_one
+            logits = self.model(tokens, pos, PagedKVCache(self.pool, self._tables(seqs)))[:, -1]  # (B, V)
         for b, seq in enumerate(seqs):
             self._computed(seq, 1)
             self._sample(seq, logits[b:b + 1])

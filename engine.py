@@ -23,6 +23,7 @@ import itertools
 import queue
 import threading
 import time
+import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -182,7 +183,10 @@ class Engine:
             raise ValueError(f"the request needs up to {needed} KV blocks; the pool has {self.config.num_blocks - 1}")
         text = TextStream(self.tokenizer, request.stop)  # checks the stop strings
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(request.seed if request.seed is not None else torch.seed())
+        if request.seed is None:
+            generator.seed()  # a nondeterministic seed for this generator alone
+        else:
+            generator.manual_seed(request.seed)
         seen, generated = penalty_state(request.params, [request.prompt], self.model)
         with self.lock:
             if self.queued >= self.config.max_waiting:
@@ -386,9 +390,18 @@ class Engine:
         self._emit(seq, piece + seq.text.flush(), list(token_ids), reason)
 
     def _emit(self, seq: Sequence_, text: str, token_ids: list[int], reason: str | None) -> None:
-        if seq.request.on_event is not None:
+        """Call the request's on_event. A callback that raises is the caller's bug: it is reported on stderr and
+        its request aborted, and the engine serves on."""
+        if seq.request.on_event is None:
+            return
+        try:
             seq.request.on_event(Event(seq.id, text, token_ids, reason is not None, reason, seq.n_prompt,
                                        len(seq.tokens) - seq.n_prompt, seq.cached))
+        except Exception:
+            traceback.print_exc()
+            if reason is None:
+                seq.request.on_event = None
+                self.abort(seq.id)
 
     # ---- offline ----
 

@@ -572,7 +572,7 @@ def run(args: argparse.Namespace) -> None:
     model, path = load_model(args.model or default_model(), device, dtype, progress=progress,
                              quantize=args.quantize, quantize_head=args.quantize_head, shard=shard)
     tokenizer = load_tokenizer(path)
-    seed = args.seed if args.seed is not None else torch.seed()
+    seed = args.seed if args.seed is not None else torch.Generator().seed()  # leaves torch's global RNG alone
     generator = torch.Generator(device=device)
     generator.manual_seed(seed if shard is None else tp.same_seed(seed, device))
     if shard is not None:

@@ -178,6 +178,23 @@ def test_block_accounting_with_aborts(model):
     assert len(eng.blocks.free) + len(eng.blocks.evictable) == stats["blocks_total"]
 
 
+def test_a_failing_callback_aborts_only_its_request(model, capsys):
+    prompts = random_prompts([6, 9], seed=11)
+    eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60, max_running=4))
+    events = []
+
+    def broken(event):
+        raise RuntimeError("client bug")
+
+    eng.submit(Request(prompts[0], max_tokens=8, on_event=broken))
+    eng.submit(Request(prompts[1], max_tokens=8, on_event=events.append))
+    while eng.step():
+        pass
+    assert "client bug" in capsys.readouterr().err
+    assert [t for e in events for t in e.token_ids] == list(generate(model, prompts[1], 8))
+    assert eng.stats()["blocks_used"] == 0 and eng.stats()["requests_finished"] == 2
+
+
 def test_bad_requests(model):
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=10, max_waiting=2, max_running=4))
     with pytest.raises(ValueError, match="the prompt is empty"):

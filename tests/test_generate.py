@@ -80,6 +80,22 @@ def test_compiled_decode_matches_eager_without_recompiling(model):
     assert (again - greedy_logits(decode_one, [11, 12, 13, 14], 32)).abs().max() <= 1e-4
 
 
+def test_compiled_prefill_has_dynamic_length(model):
+    """--compile-prefill: prompts of three lengths give eager's logits (<= 1e-4); compiled once, with the length
+    symbolic from the start, later lengths recompile nothing."""
+    import torch._dynamo
+
+    def prefill(step, n: int) -> torch.Tensor:
+        cache = KVCache.for_model(model.args, 1, 64, torch.float32, "cpu")
+        return step(model, torch.arange(1, n + 1)[None], torch.arange(n), cache)
+
+    torch._dynamo.reset()
+    compiled = compile_decode(model, prefill=True)
+    for i, n in enumerate([5, 9, 23]):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            assert (prefill(compiled, n) - prefill(decode_one, n)).abs().max() <= 1e-4
+
+
 def test_gemv_backend_only_for_single_row_cpu_steps(model):
     from generate import gemv_backend
 

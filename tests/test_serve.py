@@ -258,3 +258,10 @@ def test_bad_flag_is_one_line():
     r = subprocess.run([sys.executable, "serve.py", "--num-blocks", "0"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 1 and r.stderr.strip() == "error: --num-blocks must be >= 1, got 0", r.stderr
+
+
+def test_port_in_use_is_one_line(server):
+    port = server.rsplit(":", 1)[1]
+    r = subprocess.run([sys.executable, "serve.py", "--port", port], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and r.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"

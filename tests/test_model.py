@@ -95,6 +95,21 @@ def test_sdpa_matches_reference_attention(window):
     assert (got - reference_attention(q, k, v, mask)).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_one_query_attention_matches_reference(window):
+    """The decode steps' attention on CPU: shared positions (mask (1, S)) and per-row positions (B, 1, 1, S)."""
+    from model import one_query_attention
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 6, 1, 16, generator=g)  # (B, H, 1, D)
+    k = torch.randn(3, 3, 20, 16, generator=g)  # (B, K, S, D)
+    v = torch.randn(3, 3, 20, 16, generator=g)
+    shared = attention_mask(torch.tensor([12]), torch.arange(20), window)  # (1, S)
+    assert (one_query_attention(q, k, v, shared) - reference_attention(q, k, v, shared)).abs().max() <= 1e-5
+    per_row = attention_mask(torch.tensor([[4], [12], [19]]), torch.arange(20), window)[:, None]  # (B, 1, 1, S)
+    assert (one_query_attention(q, k, v, per_row) - reference_attention(q, k, v, per_row)).abs().max() <= 1e-5
+
+
 def test_sliding_window_mask_counts():
     mask = attention_mask(torch.arange(10), torch.arange(10), sliding_window=4)
     assert mask.sum(dim=1).tolist() == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]  # each query sees itself + 3 before

@@ -76,7 +76,7 @@ class QueueFull(RuntimeError):
 
 
 @dataclass(eq=False)
-class Sequence_:
+class Seq:
     """A request being served: its tokens (prompt, then generated), how many of them have keys/values in its
     blocks (n_computed), and its sampling state."""
     id: int
@@ -162,8 +162,8 @@ class Engine:
         self.device = weight.device
         self.pool = BlockPool.for_model(model.args, config.num_blocks, config.block_size, weight.dtype, self.device)
         self.blocks = BlockManager(config.num_blocks, config.prefix_caching)
-        self.waiting: deque[Sequence_] = deque()
-        self.running: list[Sequence_] = []  # admission order: the last one is preempted first
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []  # admission order: the last one is preempted first
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit", seq) | ("abort", id), from any thread
         self.lock = threading.Lock()  # guards ids and the queued count submit() checks
         self.wake = threading.Condition(self.lock)
@@ -192,7 +192,7 @@ class Engine:
             if self.queued >= self.config.max_waiting:
                 raise QueueFull(f"the queue is full ({self.config.max_waiting} waiting requests)")
             self.queued += 1
-            seq = Sequence_(next(self.ids), request, list(request.prompt), text, generator, seen, generated)
+            seq = Seq(next(self.ids), request, list(request.prompt), text, generator, seen, generated)
             self.inbox.put(("submit", seq))
             self.wake.notify()
         return seq.id
@@ -266,7 +266,7 @@ class Engine:
                 self.queued -= 1
             self.running.append(seq)
 
-    def _reuse_prefix(self, seq: Sequence_) -> None:
+    def _reuse_prefix(self, seq: Seq) -> None:
         """Take the cached blocks matching the start of seq.tokens; at least one token is left to compute
         (its logits start the decoding)."""
         bs = self.config.block_size
@@ -283,7 +283,7 @@ class Engine:
         if len(seq.tokens) == seq.n_prompt:  # first admission (not a preempted sequence's return)
             seq.cached = seq.n_computed
 
-    def _plan(self) -> tuple[list[Sequence_], list[tuple[Sequence_, int]]]:
+    def _plan(self) -> tuple[list[Seq], list[tuple[Seq, int]]]:
         """This step's work: every sequence in decode gets its token, then prefill chunks fill the budget.
         Blocks are allocated here; a sequence that cannot get one preempts the newest running sequence."""
         budget = self.config.token_budget
@@ -303,7 +303,7 @@ class Engine:
         chunks = [(s, n) for s, n in chunks if s in self.running]
         return decodes, chunks
 
-    def _grow(self, seq: Sequence_, n_positions: int) -> bool:
+    def _grow(self, seq: Seq, n_positions: int) -> bool:
         """Give seq blocks for positions 0..n_positions-1; False if the pool ran out."""
         while len(seq.blocks) * self.config.block_size < n_positions:
             block = self.blocks.allocate()
@@ -312,7 +312,7 @@ class Engine:
             seq.blocks.append(block)
         return True
 
-    def _preempt(self, seq: Sequence_) -> None:
+    def _preempt(self, seq: Seq) -> None:
         """Free seq's blocks and queue it first: it is recomputed from its tokens (prompt and generated) later."""
         self.running.remove(seq)
         self._drop_blocks(seq)
@@ -321,17 +321,17 @@ class Engine:
             self.queued += 1
         self.preemptions += 1
 
-    def _drop_blocks(self, seq: Sequence_) -> None:
+    def _drop_blocks(self, seq: Seq) -> None:
         for block in seq.blocks:
             self.blocks.release(block)
         seq.blocks, seq.hashes, seq.n_computed = [], [], 0
 
-    def _tables(self, seqs: list[Sequence_]) -> torch.Tensor:
+    def _tables(self, seqs: list[Seq]) -> torch.Tensor:
         """(B, N) block tables, padded with block 0."""
         width = max(len(s.blocks) for s in seqs)
         return torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], device=self.device)
 
-    def _run_decodes(self, seqs: list[Sequence_]) -> None:
+    def _run_decodes(self, seqs: list[Seq]) -> None:
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)  # (B, 1)
         pos = torch.tensor([[s.n_computed] for s in seqs], device=self.device)  # (B, 1) per-row positions
         with gemv_backend(tokens):  # one row: the GEMV-friendly CPU matmul backend, as generate.decode_one
@@ -340,7 +340,7 @@ class Engine:
             self._computed(seq, 1)
             self._sample(seq, logits[b:b + 1])
 
-    def _run_chunk(self, seq: Sequence_, n: int) -> None:
+    def _run_chunk(self, seq: Seq, n: int) -> None:
         start = seq.n_computed
         tokens = torch.tensor([seq.tokens[start:start + n]], device=self.device)  # (1, n)
         pos = torch.arange(start, start + n, device=self.device)
@@ -349,7 +349,7 @@ class Engine:
         if seq.n_computed == len(seq.tokens):  # the prompt (or a preempted sequence's tokens) is in
             self._sample(seq, logits)
 
-    def _computed(self, seq: Sequence_, n: int) -> None:
+    def _computed(self, seq: Seq, n: int) -> None:
         """n more positions hold keys/values: offer every block that just filled up to the prefix cache."""
         seq.n_computed += n
         bs = self.config.block_size
@@ -359,7 +359,7 @@ class Engine:
             seq.hashes.append(chain_hash(seq.hashes[-1] if seq.hashes else 0, tokens))
             self.blocks.register(seq.blocks[i], seq.hashes[-1], tokens)
 
-    def _sample(self, seq: Sequence_, logits: torch.Tensor) -> None:
+    def _sample(self, seq: Seq, logits: torch.Tensor) -> None:
         """Draw seq's next token from (1, V) logits (as generate.generate_steps does), stream it, maybe finish."""
         token, (step,) = pick(logits, seq.request.params, seq.generator, seq.seen, seq.generated, None)
         seq.tokens.append(step.token)
@@ -378,7 +378,7 @@ class Engine:
         else:
             self._finish(seq, reason, piece, [step.token])
 
-    def _finish(self, seq: Sequence_, reason: str, piece: str = "", token_ids: list[int] = ()) -> None:
+    def _finish(self, seq: Seq, reason: str, piece: str = "", token_ids: list[int] = ()) -> None:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -389,7 +389,7 @@ class Engine:
         self.finished += 1
         self._emit(seq, piece + seq.text.flush(), list(token_ids), reason)
 
-    def _emit(self, seq: Sequence_, text: str, token_ids: list[int], reason: str | None) -> None:
+    def _emit(self, seq: Seq, text: str, token_ids: list[int], reason: str | None) -> None:
         """Call the request's on_event. A callback that raises is the caller's bug: it is reported on stderr and
         its request aborted, and the engine serves on."""
         if seq.request.on_event is None:

@@ -53,9 +53,10 @@ class Shard:
             rows = local.n_heads * D
             return (0 if module == "q_proj" else 1, self.rank * rows, (self.rank + 1) * rows)
         if module in ("k_proj", "v_proj"):
-            # K >= world: split; K < world: ranks rank*K//world share kv head rank*K//world (their query heads'
-            # group) -- the integer division picks the same head for world/K neighbouring ranks.
-            first = self.rank * local.n_kv_heads if full.n_kv_heads >= self.world else self.rank * full.n_kv_heads // self.world
+            if full.n_kv_heads >= self.world:  # split: K/world heads each
+                first = self.rank * local.n_kv_heads
+            else:  # replicated: this rank's query heads all belong to kv head rank*K//world (world/K ranks share it)
+                first = self.rank * full.n_kv_heads // self.world
             return (0, first * D, (first + local.n_kv_heads) * D)
         if module in ("gate_proj", "up_proj", "down_proj"):
             cols = local.hidden_dim

@@ -149,11 +149,11 @@ def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs
     tpot = statistics.median(r["tpot"] for r in results)
     wbytes = weight_bytes(model)
     step_bytes = wbytes + results[0]["cache_bytes"]  # the static cache is read whole every step
+    prefill_tflops = batch_size * prefill_flops(model.args, prompt_len) / ttft / 1e12
     return {
         "batch_size": batch_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs,
         "compile_s": compile_s, "ttft_ms": ttft * 1e3, "prefill_tok_s": batch_size * prompt_len / ttft,
-        "prefill_tflop_s": batch_size * prefill_flops(model.args, prompt_len) / ttft / 1e12,
-        "prefill_peak_pct": 100 * batch_size * prefill_flops(model.args, prompt_len) / ttft / 1e12 / peak_tflops,
+        "prefill_tflop_s": prefill_tflops, "prefill_peak_pct": 100 * prefill_tflops / peak_tflops,
         "tpot_ms": tpot * 1e3, "decode_tok_s": batch_size / tpot, "weight_bytes": wbytes,
         "kv_bytes_per_token": results[0]["kv_per_token"], "kv_bytes_total": results[0]["cache_bytes"],
         "achieved_gb_s": step_bytes / tpot / 1e9, "roofline_pct": 100 * step_bytes / tpot / 1e9 / bandwidth,

@@ -21,6 +21,7 @@ is never needed). Unreferenced cached blocks stay until memory is needed, then g
 """
 import itertools
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -55,10 +56,12 @@ class Event:
     text: str  # text that became final since the previous event (may be "")
     token_ids: list[int]  # tokens sampled since the previous event
     finished: bool
-    finish_reason: str | None  # "stop" (a stop string), "eos", "length" (max_tokens or the context), "abort"
+    finish_reason: str | None  # "stop" (a stop string), "eos", "length" (max_tokens or the context), "abort",
+    # or "error" (serving this request failed; `error` says why, and the engine serves on)
     prompt_tokens: int
     completion_tokens: int  # so far
     cached_tokens: int  # prompt tokens whose keys/values came from the prefix cache
+    error: str | None = None
 
 
 @dataclass
@@ -334,8 +337,13 @@ class Engine:
     def _run_decodes(self, seqs: list[Seq]) -> None:
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)  # (B, 1)
         pos = torch.tensor([[s.n_computed] for s in seqs], device=self.device)  # (B, 1) per-row positions
-        with gemv_backend(tokens):  # one row: the GEMV-friendly CPU matmul backend, as generate.decode_one
-            logits = self.model(tokens, pos, PagedKVCache(self.pool, self._tables(seqs)))[:, -1]  # (B, V)
+        try:
+            with gemv_backend(tokens):  # one row: the GEMV-friendly CPU matmul backend, as generate.decode_one
+                logits = self.model(tokens, pos, PagedKVCache(self.pool, self._tables(seqs)))[:, -1]  # (B, V)
+        except Exception as e:  # the batch's rows cannot be told apart: they fail, the engine serves on
+            for seq in seqs:
+                self._fail(seq, e)
+            return
         for b, seq in enumerate(seqs):
             self._computed(seq, 1)
             self._sample(seq, logits[b:b + 1])
@@ -344,7 +352,11 @@ class Engine:
         start = seq.n_computed
         tokens = torch.tensor([seq.tokens[start:start + n]], device=self.device)  # (1, n)
         pos = torch.arange(start, start + n, device=self.device)
-        logits = self.model(tokens, pos, PagedKVCache(self.pool, self._tables([seq])))[:, -1]  # (1, V)
+        try:
+            logits = self.model(tokens, pos, PagedKVCache(self.pool, self._tables([seq])))[:, -1]  # (1, V)
+        except Exception as e:
+            self._fail(seq, e)
+            return
         self._computed(seq, n)
         if seq.n_computed == len(seq.tokens):  # the prompt (or a preempted sequence's tokens) is in
             self._sample(seq, logits)
@@ -361,7 +373,11 @@ class Engine:
 
     def _sample(self, seq: Seq, logits: torch.Tensor) -> None:
         """Draw seq's next token from (1, V) logits (as generate.generate_steps does), stream it, maybe finish."""
-        token, (step,) = pick(logits, seq.request.params, seq.generator, seq.seen, seq.generated, None)
+        try:
+            token, (step,) = pick(logits, seq.request.params, seq.generator, seq.seen, seq.generated, None)
+        except Exception as e:  # this request fails alone
+            self._fail(seq, e)
+            return
         seq.tokens.append(step.token)
         n_new = len(seq.tokens) - seq.n_prompt
         reason = None
@@ -378,7 +394,14 @@ class Engine:
         else:
             self._finish(seq, reason, piece, [step.token])
 
-    def _finish(self, seq: Seq, reason: str, piece: str = "", token_ids: list[int] = ()) -> None:
+    def _fail(self, seq: Seq, e: Exception) -> None:
+        """End seq with finish_reason "error": one line on stderr, the error in its last event."""
+        message = f"{type(e).__name__}: {e}"
+        print(f"engine: request {seq.id} failed: {message}", file=sys.stderr)
+        self._finish(seq, "error", error=message)
+
+    def _finish(self, seq: Seq, reason: str, piece: str = "", token_ids: list[int] = (),
+                error: str | None = None) -> None:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -387,16 +410,16 @@ class Engine:
                 self.queued -= 1
         self._drop_blocks(seq)
         self.finished += 1
-        self._emit(seq, piece + seq.text.flush(), list(token_ids), reason)
+        self._emit(seq, piece + seq.text.flush(), list(token_ids), reason, error)
 
-    def _emit(self, seq: Seq, text: str, token_ids: list[int], reason: str | None) -> None:
+    def _emit(self, seq: Seq, text: str, token_ids: list[int], reason: str | None, error: str | None = None) -> None:
         """Call the request's on_event. A callback that raises is the caller's bug: it is reported on stderr and
         its request aborted, and the engine serves on."""
         if seq.request.on_event is None:
             return
         try:
             seq.request.on_event(Event(seq.id, text, token_ids, reason is not None, reason, seq.n_prompt,
-                                       len(seq.tokens) - seq.n_prompt, seq.cached))
+                                       len(seq.tokens) - seq.n_prompt, seq.cached, error))
         except Exception:
             traceback.print_exc()
             if reason is None:

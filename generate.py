@@ -567,6 +567,11 @@ def run(args: argparse.Namespace) -> None:
     check_stop(args.stop)
     if args.logprobs is not None and args.logprobs < 0:
         raise ValueError(f"--logprobs must be >= 0 (the number of alternatives per token), got {args.logprobs}")
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system), *(("--stop", t) for t in args.stop)):
+        check_text(flag, text)
+    check_seed(args.seed)
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat (the system message is rendered with the chat template)")
     texts = read_prompts(args)
     import speculative
 
@@ -663,6 +668,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             raise ValueError("--interactive needs --chat (the turns are rendered with the chat template)")
         if args.prompts_file:
             raise ValueError("--interactive reads turns from stdin; it cannot take --prompts-file")
+        if sys.stdin is None or sys.stdin.closed:
+            raise ValueError("--interactive reads turns from stdin, which is closed")
         return []
     if args.prompts_file is None:
         if args.prompt is None:
@@ -670,13 +677,37 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         return [args.prompt]
     if args.prompt is not None:
         raise ValueError("pass either --prompt or --prompts-file, not both")
-    if not os.path.isfile(args.prompts_file):
+    if os.path.isdir(args.prompts_file):
+        raise ValueError(f"prompts file {args.prompts_file!r} is a directory; expected a text file")
+    if not os.path.exists(args.prompts_file):
         raise FileNotFoundError(f"prompts file {args.prompts_file!r} does not exist")
-    with open(args.prompts_file, encoding="utf-8") as f:
-        prompts = [line.rstrip("\r\n") for line in f if line.strip()]
+    try:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts = [line.rstrip("\r\n") for line in f if line.strip()]
+    except OSError as e:
+        raise ValueError(f"cannot read prompts file {args.prompts_file!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompts file {args.prompts_file!r} is not UTF-8 text ({e.reason} at byte {e.start})") \
+            from None
     if not prompts:
         raise ValueError(f"prompts file {args.prompts_file!r} has no prompts; expected one prompt per line")
     return prompts
+
+
+def check_text(flag: str, text: str | None) -> None:
+    """A ValueError for text that is not valid Unicode: bytes that are not UTF-8 reach sys.argv as lone
+    surrogates (Python's surrogateescape), which no tokenizer can encode."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{flag} is not valid UTF-8 text (a bad byte at character {e.start})") from None
+
+
+def check_seed(seed: int | None) -> None:
+    if seed is not None and not -2**63 <= seed < 2**64:
+        raise ValueError(f"--seed must be in [-2**63, 2**64), got {seed}")
 
 
 def summary(c: Completion, compiled: bool = False) -> str:
@@ -731,8 +762,13 @@ def run_cli(command: Callable[[argparse.Namespace], None], args: argparse.Namesp
     stderr and exit status 1, not a traceback; Ctrl-C as status 130."""
     try:
         command(args)
+        sys.stdout.flush()
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): nothing more can be written there
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        print("error: the output pipe was closed", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -327,7 +327,7 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
 
     try:
         reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, IndexError) as e:  # IndexError: the file ends inside its metadata
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from None
     full_args = gguf_args(reader)
     tensors = {gguf_tensor_name(t.name): t for t in reader.tensors}

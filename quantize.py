@@ -366,11 +366,21 @@ def save_gguf_tokenizer(gguf_path: str, out: str) -> None:
 
 
 def check_out_folder(out: str) -> None:
-    """Refuse a non-empty --out folder unless it holds only a previous output of this command."""
+    """Refuse a non-empty --out folder unless it holds only a previous output of this command, and a folder that
+    cannot be made or written to: checked before the model is loaded and quantized, not after."""
     if not os.path.exists(out):
+        parent = os.path.dirname(os.path.abspath(out))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ValueError(f"--out {out!r} cannot be created: {parent!r} is a file, not a folder")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"--out {out!r} cannot be created: no permission to write in {parent!r}")
         return
     if not os.path.isdir(out):
         raise ValueError(f"--out {out!r} exists and is not a folder")
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out!r}: no permission to write in it")
     entries = sorted(os.listdir(out))
     if not entries:
         return
@@ -510,7 +520,10 @@ def run(args: argparse.Namespace) -> None:
     source = resolve_model_path(model_path)
     model, _ = load_model(source, "cpu", getattr(torch, args.dtype), progress=progress,
                           quantize=args.mode, quantize_head=args.quantize_head)
-    save_quantized(model, source, args.out)
+    try:
+        save_quantized(model, source, args.out)
+    except OSError as e:  # e.g. the disk filled up while writing
+        raise ValueError(f"cannot write to --out {args.out!r}: {e.strerror or e}") from None
     print(f"wrote {args.out} ({args.mode}{', head quantized' if args.quantize_head else ''}, "
           f"weights {weight_bytes(model) / 1e6:.1f} MB)", file=sys.stderr)
 

@@ -13,8 +13,8 @@ def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float = 
                    repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                    frequency_penalty: float = 0.0) -> None:
     """Raise a ValueError naming the first invalid sampling parameter."""
-    if not temperature >= 0:  # also rejects NaN
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not 0 <= temperature < math.inf:  # also rejects NaN
+        raise ValueError(f"temperature must be >= 0 and finite (0 means greedy), got {temperature}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
     if not 0 < top_p <= 1:
@@ -68,7 +68,11 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.T
     """
     logits = logits.float()
     if repetition_penalty != 1.0:
-        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        # In float32 a penalty past its range would be 0 or inf (0 * inf is NaN), and dividing by a tiny one
+        # overflows (inf - inf is NaN in the softmax): the penalty and the result are kept finite.
+        tiny, big = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+        r = min(max(repetition_penalty, tiny), big)
+        penalized = torch.where(logits > 0, logits / r, logits * r).clamp(-big, big)
         logits = torch.where(seen, penalized, logits)
     if presence_penalty != 0.0 or frequency_penalty != 0.0:
         logits = logits - presence_penalty * (generated > 0).float() - frequency_penalty * generated
@@ -78,8 +82,11 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.T
 def logits_to_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
                        min_p: float = 0.0) -> torch.Tensor:
     """(B, V) logits -> (B, V) log-probabilities after temperature (> 0), top-k, top-p (nucleus) and min-p,
-    renormalized over the tokens kept; -inf for the tokens removed."""
-    logits = logits.float() / temperature
+    renormalized over the tokens kept; -inf for the tokens removed. The most likely token is always kept."""
+    # Shifted so the largest logit is 0: a tiny temperature then sends the others to -inf, never to +inf. Below
+    # float32's smallest normal number the divisor would round to 0 (0/0); any T that small is greedy anyway.
+    logits = logits.float()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / max(temperature, torch.finfo(torch.float32).tiny)
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1) smallest logit kept
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -87,6 +94,7 @@ def logits_to_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0,
         sorted_probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)  # (B, V)
         # Drop a token once the more likely ones already cover top_p; the token crossing it stays.
         sorted_drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        sorted_drop[:, 0] = False  # a top_p below float32's resolution (1e-300 -> 0) keeps the most likely token
         drop = torch.zeros_like(sorted_drop).scatter_(-1, order, sorted_drop)  # back to vocab order
         logits = logits.masked_fill(drop, float("-inf"))
     if min_p > 0.0:

@@ -7,6 +7,7 @@ Three draft sources share one interface, `propose(context, k, params, generator)
   PromptLookupDraft the continuation of the latest earlier match of the context's last n-gram (q is one-hot).
 """
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -156,9 +157,7 @@ class SpecStats:
         return (self.draft_s / self.draft_forwards) / (self.target_s / len(self.rounds))
 
     def report(self) -> str:
-        hist = [0] * (self.k + 1)
-        for _, a in self.rounds:
-            hist[a] += 1
+        hist = Counter(a for _, a in self.rounds)  # only the counts that occurred: k may be large
         empty = sum(1 for p, _ in self.rounds if p == 0)
         k_mean = sum(p for p, _ in self.rounds) / max(len(self.rounds), 1)
         c = self.cost_ratio
@@ -166,7 +165,7 @@ class SpecStats:
                 f"acceptance a={self.acceptance:.3f} | tokens/verify {self.tokens_per_verify:.2f} "
                 f"(predicted (1-a^(k+1))/(1-a) = {self.predicted_tokens_per_verify:.2f}) | "
                 f"c={c:.3f}, predicted speed-up {self.tokens_per_verify / (1 + k_mean * c):.2f}x | "
-                f"accepted per verify 0..{self.k}: {' '.join(map(str, hist))}")
+                f"accepted per verify (accepted:verifies) {' '.join(f'{a}:{n}' for a, n in sorted(hist.items()))}")
 
 
 def _now(device: torch.device) -> float:
@@ -267,7 +266,8 @@ def check_args(args, params: SamplingParams) -> bool:
         raise ValueError("--prompt-lookup is a draft of its own; it cannot take --draft-model/--draft-quantize")
     for flag, used in (("penalties", params.penalized), ("--logprobs", args.logprobs is not None),
                        ("--prompts-file", args.prompts_file), ("--interactive", args.interactive),
-                       ("--compile", args.compile), ("--kv-cache-dtype int8", args.kv_cache_dtype != "model")):
+                       ("--compile", args.compile or args.compile_prefill),
+                       ("--kv-cache-dtype int8", args.kv_cache_dtype != "model")):
         if used:
             raise ValueError(f"{flag} is not supported with speculative decoding")
     return True

@@ -135,7 +135,8 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
                                       meta.get("tokenizer.ggml.pre", "default"))
     else:
         prepend = "first" if meta.get("tokenizer.ggml.add_space_prefix", True) else "never"
-        backend = _sentencepiece_backend(tokens, meta["tokenizer.ggml.scores"], types, prepend)
+        backend = _sentencepiece_backend(tokens, meta["tokenizer.ggml.scores"], types, prepend,
+                                         meta.get("tokenizer.ggml.remove_extra_whitespaces", False))
     eos = [meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
     # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise
     add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
@@ -151,6 +152,7 @@ def _load_folder(path: str) -> Tokenizer:
     json_file, spm_file = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
     # transformers 5 rebuilds a Llama tokenizer from its class, not from the file's pipeline: '▁' goes before the
     # text only ("first"), or also after each special token when legacy, as its generic sentencepiece converter does
+    # (but before text that starts with a space too, as sentencepiece does and transformers does not)
     llama = cfg.get("tokenizer_class") in ("LlamaTokenizer", "LlamaTokenizerFast")
     prepend = "first" if llama and not cfg.get("legacy") else "always"
     if os.path.isfile(json_file):
@@ -158,10 +160,10 @@ def _load_folder(path: str) -> Tokenizer:
         if llama and isinstance(backend.model, models.BPE):
             _sentencepiece_pipeline(backend, prepend if cfg.get("add_prefix_space", True) else "never")
     elif os.path.isfile(spm_file):
-        pieces, scores, types, add_prefix = _read_sentencepiece_model(spm_file)
+        pieces, scores, types, add_prefix, squeeze = _read_sentencepiece_model(spm_file)
         if cfg.get("add_prefix_space") is not None:
             add_prefix = cfg["add_prefix_space"]
-        backend = _sentencepiece_backend(pieces, scores, types, prepend if add_prefix else "never")
+        backend = _sentencepiece_backend(pieces, scores, types, prepend if add_prefix else "never", squeeze)
         cfg = {"bos_token": "<s>", "eos_token": "</s>", **cfg}  # LlamaTokenizer's defaults
     else:
         raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in folder {path!r}")
@@ -216,7 +218,8 @@ def _byte_level_backend(tokens: list[str], merges: list[str], types: list[int], 
     return backend
 
 
-def _sentencepiece_backend(pieces: list[str], scores: list[float], types: list[int], prepend: str):
+def _sentencepiece_backend(pieces: list[str], scores: list[float], types: list[int], prepend: str,
+                           squeeze: bool = False):
     """SentencePiece BPE (Llama 2, Mistral) as a `tokenizers` BPE with byte fallback, as transformers builds it."""
     from tokenizers import Tokenizer as Backend, models
 
@@ -229,19 +232,35 @@ def _sentencepiece_backend(pieces: list[str], scores: list[float], types: list[i
         merges += [(a, b, scores[i]) for a, b in sorted(pairs, key=lambda p: (normal[p[0]], normal[p[1]]))]
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     backend = Backend(models.BPE(vocab, [(a, b) for a, b, _ in merges], fuse_unk=True, byte_fallback=True))
-    _sentencepiece_pipeline(backend, prepend)
+    _sentencepiece_pipeline(backend, prepend, squeeze)
     _add_special_tokens(backend, pieces, types)
     return backend
 
 
-def _sentencepiece_pipeline(backend, prepend: str) -> None:
-    """Spaces as '▁', a '▁' prefix per `prepend` (first/always/never), and the matching decoder."""
-    from tokenizers import decoders, pre_tokenizers
+def _sentencepiece_pipeline(backend, prepend: str, squeeze: bool = False) -> None:
+    """sentencepiece's normalization: spaces as '▁', a '▁' dummy prefix per `prepend` (first/always/never), runs of
+    spaces squeezed if `squeeze` (remove_extra_whitespaces); and the matching decoder."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers as pt
 
-    backend.normalizer = None
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
+    # sentencepiece puts its '▁' before the text even when the text starts with a space (" Hello" -> "▁▁Hello"), but
+    # Metaspace adds none to text that already starts with '▁' (transformers' Llama tokenizer has that bug). So the
+    # normalizer turns spaces into '▁', a Metaspace whose mark is ' ' prefixes the text's first piece (which now never
+    # starts with ' '), and a second Metaspace turns that ' ' into '▁' (and for "always" prefixes, as before, the text
+    # after each special token unless it starts with a space).
+    normalize = [normalizers.Replace(" ", "▁")]
+    mark = [pt.Metaspace(replacement=" ", prepend_scheme="first", split=False)] if prepend != "never" else []
+    if squeeze:
+        # Runs of spaces become one and trailing ones go (in each piece between special tokens). A leading space left
+        # is then the prefix itself, so it is deleted only when there is no prefix: deleting it would move the text
+        # off offset 0, which is how Metaspace's "first" finds the text's first piece.
+        normalize[:0] = [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex(r" +\z"), "")]
+        if prepend == "never":
+            normalize.insert(0, normalizers.Replace(Regex(r"\A +"), ""))
+        mark = []
+    backend.normalizer = normalizers.Sequence(normalize)
+    backend.pre_tokenizer = pt.Sequence(mark + [pt.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)])
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prepend != "never":  # drop the space the prefix added
+    if prepend != "never" or squeeze:  # drop one leading space, the prefix's, as sentencepiece does
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     backend.decoder = decoders.Sequence(steps)
 
@@ -256,8 +275,8 @@ def _add_special_tokens(backend, tokens: list[str], types: list[int]) -> None:
                         for t, k in zip(tokens, types) if k == _USER_DEFINED and t])
 
 
-def _read_sentencepiece_model(path: str) -> tuple[list[str], list[float], list[int], bool]:
-    """(pieces, scores, types, add_dummy_prefix) of a sentencepiece tokenizer.model (a ModelProto)."""
+def _read_sentencepiece_model(path: str) -> tuple[list[str], list[float], list[int], bool, bool]:
+    """(pieces, scores, types, add_dummy_prefix, remove_extra_whitespaces) of a sentencepiece tokenizer.model."""
     from sentencepiece import sentencepiece_model_pb2  # needs protobuf
 
     proto = sentencepiece_model_pb2.ModelProto()
@@ -268,8 +287,9 @@ def _read_sentencepiece_model(path: str) -> tuple[list[str], list[float], list[i
         raise ValueError(f"{path!r}: sentencepiece model type {proto.trainer_spec.ModelType.Name(model_type)!r} "
                          "is not supported; only 'BPE' (Llama 2 / Mistral style)")
     pieces = [p.piece for p in proto.pieces]
-    return pieces, [p.score for p in proto.pieces], [p.type for p in proto.pieces], \
-        proto.normalizer_spec.add_dummy_prefix
+    spec = proto.normalizer_spec
+    return pieces, [p.score for p in proto.pieces], [p.type for p in proto.pieces], spec.add_dummy_prefix, \
+        spec.remove_extra_whitespaces
 
 
 @lru_cache(maxsize=8)

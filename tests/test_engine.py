@@ -195,6 +195,50 @@ def test_a_failing_callback_aborts_only_its_request(model, capsys):
     assert eng.stats()["blocks_used"] == 0 and eng.stats()["requests_finished"] == 2
 
 
+def test_a_failure_fails_only_its_request_and_the_engine_serves_on(model, monkeypatch, capsys):
+    """A request whose sampling raises ends with finish_reason "error" (one stderr line, no traceback); the rows
+    batched with it are exact, and a forward that raises fails that step's rows only."""
+    import engine as engine_module
+
+    prompts = random_prompts([6, 9, 12], seed=12)
+    poisoned = SamplingParams(temperature=0.5)
+    real_pick = engine_module.pick
+
+    def pick(logits, params, *args):
+        if params is poisoned:
+            raise FloatingPointError("overflow in sampling")
+        return real_pick(logits, params, *args)
+
+    monkeypatch.setattr(engine_module, "pick", pick)
+    eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60, max_running=4))
+    events = {}
+    for p, params in zip(prompts, [SamplingParams(), poisoned, SamplingParams()]):
+        eng.submit(Request(p, params, 8, on_event=lambda e: events.setdefault(e.request_id, []).append(e)))
+    while eng.step():
+        pass
+    assert events[1][-1].finish_reason == "error" and "overflow in sampling" in events[1][-1].error
+    for i in (0, 2):
+        assert [t for e in events[i] for t in e.token_ids] == list(generate(model, prompts[i], 8))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1 and "request 1 failed" in err
+
+    calls = {"n": 0}
+    real_forward = model.forward
+
+    def forward(*args, **kwargs):  # the 3rd forward raises: a decode step of both rows
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    done = eng.generate(prompts[:2], max_tokens=8)
+    assert [c.finish_reason for c in done] == ["error", "error"]
+    monkeypatch.setattr(model, "forward", real_forward)
+    assert eng.generate([prompts[0]], max_tokens=8)[0].tokens == list(generate(model, prompts[0], 8))
+    assert eng.stats()["blocks_used"] == 0
+
+
 def test_bad_requests(model):
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=10, max_waiting=2, max_running=4))
     with pytest.raises(ValueError, match="the prompt is empty"):

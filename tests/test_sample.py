@@ -54,6 +54,7 @@ def test_seeded_draws_are_reproducible_and_follow_the_distribution():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1.0), "temperature must be >= 0"),
     (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(temperature=float("inf")), "temperature must be >= 0 and finite"),
     (dict(top_k=-1), "top_k must be >= 0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
@@ -133,3 +134,23 @@ def test_invalid_control_parameters(kwargs, message):
     params = dict(temperature=1.0, top_k=0, top_p=1.0) | kwargs
     with pytest.raises(ValueError, match=message):
         check_sampling(**params)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=1e-38), dict(temperature=5e-324), dict(temperature=1e30), dict(top_p=1e-300),
+    dict(min_p=1.0), dict(repetition_penalty=1e-300), dict(repetition_penalty=1e300),
+    dict(temperature=1e-38, top_p=1e-300, repetition_penalty=1e-300),
+])
+def test_every_accepted_value_samples_a_valid_token(kwargs):
+    """Extreme but valid parameters never overflow into NaN probabilities (which kill multinomial)."""
+    params = SamplingParams(**{"temperature": 0.8} | kwargs)
+    logits = torch.tensor([[3.0, -2.0, 0.5, 3.0 - 1e-6, -80.0], [0.0, 1.0, -1.0, 0.5, 0.25]])  # (2, 5)
+    seen = torch.tensor([[True, True, False, False, True], [True, False, False, False, False]])
+    penalized = apply_penalties(logits, seen, torch.zeros(2, 5), params.repetition_penalty)
+    probs = logits_to_probs(penalized, params.temperature, params.top_k, params.top_p, params.min_p)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(2))
+    g = torch.Generator().manual_seed(0)
+    tokens = sample(penalized, params.temperature, params.top_k, params.top_p, g, params.min_p)
+    assert probs[torch.arange(2), tokens].gt(0).all()
+    if params.temperature < 1e-30 or params.top_p < 1e-30:  # greedy in effect: the most likely token
+        assert tokens.tolist() == penalized.argmax(-1).tolist()

@@ -256,4 +256,12 @@ def test_cli_speculative_json_matches_plain_greedy(capsys, smollm2, smollm2_gguf
                  "--json", "--draft-quantize", "int4:32"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["tokens"] == greedy(model, tok.encode(prompt), 24)[:len(json.loads(out)["tokens"])]
-    assert "acceptance a=" in err and "tokens/verify" in err and "accepted per verify 0..4" in err
+    assert "acceptance a=" in err and "tokens/verify" in err and "accepted per verify (accepted:verifies) " in err
+
+
+def test_stats_report_stays_one_short_line_for_a_huge_k():
+    from speculative import SpecStats
+
+    stats = SpecStats(100_000, rounds=[(100_000, 3), (100_000, 0), (5, 5)])
+    line = stats.report()
+    assert "\n" not in line and len(line) < 400 and "0:1 3:1 5:1" in line

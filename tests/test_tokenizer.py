@@ -1,7 +1,8 @@
 """tokenizer.py against the references: transformers' tokenizers (and sentencepiece itself) on the same files.
 
 Covers the SmolLM2 GGUF, a HF folder saved from it (tokenizer.json), a sentencepiece model trained here (as a
-tokenizer.model folder and as a `llama` GGUF), and a `llama-bpe` GGUF built from SmolLM2's vocabulary.
+tokenizer.model folder and as a `llama` GGUF), a `llama-bpe` GGUF built from SmolLM2's vocabulary, and
+../shared/models/stories260K.gguf (a real Llama-2 sentencepiece vocabulary) where that file exists.
 """
 
 import copy
@@ -45,7 +46,15 @@ CONVERSATION = [
     {"role": "assistant", "content": "4."},
     {"role": "user", "content": "And 3+3? Answer in 中文 😀"},
 ]
+# sentencepiece puts its '▁' prefix before leading spaces too, where transformers' Llama tokenizer does not
+NO_LEADING_SPACE = [s for s in STRINGS if not s.startswith(" ")]
+SPACES = [
+    " Hello", "    Hello", " ", "  ", "   ", "Hello ", "Hello  world  ", " leading and trailing ", "\n", "\n\n", " \n",
+    "\n Hello", "\tHello", " \t x\t", "if x:\n    return 1\n\tpass\n", "  12345 678", " 3.14 ", "😀", " 😀 ",
+    "  中文 English  Ünïcödé ", "▁literal mark", "a", "x <|user|> y",
+]
 SPM_USER, SPM_CONTROL = "<|user|>", "<|ctl|>"  # a user-defined and a control piece of the trained model
+STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "stories260K.gguf")
 
 
 def assert_same_as(ours, ref, strings=STRINGS):
@@ -100,6 +109,22 @@ def train_sentencepiece(folder, model_type="bpe"):
     for name in ("corpus.txt", "tokenizer.vocab"):
         os.remove(os.path.join(folder, name))
     return os.path.join(folder, "tokenizer.model")
+
+
+def sentencepiece_proto(meta):
+    """A sentencepiece BPE ModelProto from GGUF `tokenizer.*` metadata: its pieces, scores, types, normalizer flags."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.trainer_spec.model_type = proto.trainer_spec.BPE
+    proto.trainer_spec.byte_fallback = True
+    proto.normalizer_spec.name = "identity"
+    proto.normalizer_spec.add_dummy_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    proto.normalizer_spec.remove_extra_whitespaces = meta.get("tokenizer.ggml.remove_extra_whitespaces", False)
+    for piece, score, kind in zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"],
+                                  meta["tokenizer.ggml.token_type"]):
+        proto.pieces.add(piece=piece, score=score, type=kind)
+    return proto
 
 
 # ---- fixtures: each tokenizer is built once per module ----
@@ -167,6 +192,32 @@ def spm_gguf(sp, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def spm_meta(sp):
+    """The trained model's pieces as the `tokenizer.*` metadata a `llama` GGUF carries."""
+    pieces = [sp.IdToPiece(i) for i in range(sp.GetPieceSize())]
+    types = [2 if sp.IsUnknown(i) else 3 if sp.IsControl(i) else 6 if sp.IsByte(i) else
+             4 if p == SPM_USER else 1 for i, p in enumerate(pieces)]
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": pieces, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.scores": [sp.GetScore(i) for i in range(len(pieces))],
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+
+
+@pytest.fixture(scope="module")
+def stories_meta():
+    if not os.path.isfile(STORIES):
+        pytest.skip(f"{STORIES} is absent")
+    from gguf import GGUFReader
+
+    reader = GGUFReader(STORIES)
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
+@pytest.fixture(scope="module")
+def stories(stories_meta):
+    return load_tokenizer(STORIES)
+
+
+@pytest.fixture(scope="module")
 def spm_from_gguf(spm_gguf):
     return load_tokenizer(spm_gguf)
 
@@ -200,15 +251,14 @@ def test_saved_hf_folder_matches_transformers(smollm_folder, smollm_hf):
 
 
 def test_sentencepiece_folder_matches_transformers(spm, spm_hf):
-    assert_same_as(spm, spm_hf)
+    assert_same_as(spm, spm_hf, NO_LEADING_SPACE)
     assert spm.encode("hello")[0] == 1 and spm.encode("hello", bos=False)[0] != 1
 
 
 def test_sentencepiece_folder_matches_sentencepiece(spm, sp):
-    # sentencepiece knows no special tokens in text, and adds its '▁' prefix even before leading spaces
-    # (transformers' Llama tokenizer does not), so compare on the other strings
-    plain = [s for s in STRINGS if s and "<" not in s and not s[0].isspace()]
-    assert len(plain) >= 12
+    # sentencepiece knows no special tokens in text, so compare on the other strings
+    plain = [s for s in STRINGS if s and "<" not in s]
+    assert len(plain) >= 15
     for s in plain:
         ids = sp.encode(s)
         assert spm.encode(s) == [1] + ids, repr(s)
@@ -218,11 +268,11 @@ def test_sentencepiece_folder_matches_sentencepiece(spm, sp):
 def test_sentencepiece_folder_matches_transformers_from_pretrained(spm, spm_dir):
     from transformers import AutoTokenizer
 
-    assert_same_as(spm, AutoTokenizer.from_pretrained(spm_dir))
+    assert_same_as(spm, AutoTokenizer.from_pretrained(spm_dir), NO_LEADING_SPACE)
 
 
 def test_sentencepiece_gguf_matches_folder_and_transformers(spm_from_gguf, spm, spm_hf):
-    assert_same_as(spm_from_gguf, spm_hf)
+    assert_same_as(spm_from_gguf, spm_hf, NO_LEADING_SPACE)
     for s in STRINGS:
         assert spm_from_gguf.encode(s) == spm.encode(s), repr(s)
     assert (spm_from_gguf.bos_id, spm_from_gguf.eos_ids, spm_from_gguf.add_bos) == (1, [2], True)
@@ -242,13 +292,41 @@ def test_llama_bpe_gguf_matches_transformers(smollm, tmp_path):
     assert ours.encode("hi")[0] == 1
 
 
+@pytest.mark.parametrize("source", ["spm_meta", "stories_meta"])
+@pytest.mark.parametrize("prefix, squeeze", [(True, False), (False, False), (True, True)])
+def test_sentencepiece_spaces_match_sentencepiece(source, prefix, squeeze, sp, tmp_path, request):
+    """Leading/trailing/repeated spaces, as sentencepiece itself encodes them with the same pieces and normalizer
+    flags (add_dummy_prefix, remove_extra_whitespaces); through GGUF metadata and through a tokenizer.model folder."""
+    from sentencepiece import SentencePieceProcessor
+
+    meta = {**request.getfixturevalue(source), "tokenizer.ggml.add_space_prefix": prefix,
+            "tokenizer.ggml.remove_extra_whitespaces": squeeze}
+    proto = sentencepiece_proto(meta)
+    ref = SentencePieceProcessor(model_proto=proto.SerializeToString())
+    strings = SPACES + [s for s in STRINGS if "<" not in s]
+    if squeeze:  # we squeeze each piece between user-defined tokens and take a leading '▁' for the prefix
+        strings = [s for s in strings if "<" not in s and not s.startswith("▁")]
+    if source == "spm_meta" and (prefix, squeeze) == (True, False):  # the trained model's own flags
+        assert [ref.encode(s) for s in strings] == [sp.encode(s) for s in strings]  # the proto is faithful
+    (tmp_path / "tokenizer.model").write_bytes(proto.SerializeToString())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "legacy": False}))
+    for tok in (tokenizer_from_gguf_metadata(meta), load_tokenizer(str(tmp_path))):
+        round_trips = 0
+        for s in strings:
+            ids = ref.encode(s)
+            assert tok.encode(s, bos=False) == ids, repr(s)
+            assert tok.decode(ids) == ref.decode(ids), repr(s)
+            round_trips += ref.decode(ids) == s
+        assert round_trips >= (10 if squeeze else len(strings) - 1)  # all but the literal '▁' (read as a space)
+
+
 # ---- streaming ----
 
-@pytest.mark.parametrize("name", ["smollm", "smollm_folder", "spm", "spm_from_gguf"])
+@pytest.mark.parametrize("name", ["smollm", "smollm_folder", "spm", "spm_from_gguf", "stories"])
 def test_stream_concatenates_to_decode(name, request):
     tok = request.getfixturevalue(name)
     held_back = 0
-    for s in STRINGS:
+    for s in STRINGS + SPACES:
         ids = tok.encode(s)
         stream = tok.stream()
         chunks = [stream.push(i) for i in ids] + [stream.flush()]

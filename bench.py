@@ -17,10 +17,12 @@ import time
 
 import torch
 
-from generate import DTYPES, compile_decode, decode_one, default_model, pick_device, pick_dtype, run_cli
+from cli import DTYPES, default_model, pick_device, pick_dtype, run_cli
+from decode import eager_step, make_step
 from kvcache import KVCache
+from load import load_model
 from model import ModelArgs, Transformer
-from quantize import weight_bytes
+from quantize import describe, quantize_model, weight_bytes
 
 # Published shapes, for random-weight runs and capacity plans.
 SHAPES = {
@@ -122,7 +124,7 @@ def run_once(model, decode_step, batch_size: int, prompt_len: int, new_tokens: i
     prompt = torch.randint(0, args.vocab_size, (batch_size, prompt_len), device=device)
     sync(device)
     t0 = time.perf_counter()
-    logits = model(prompt, torch.arange(prompt_len, device=device), cache)[:, -1]  # prefill
+    logits = decode_step(model, prompt, torch.arange(prompt_len, device=device), cache)  # prefill
     token = logits.argmax(-1, keepdim=True)  # (B, 1)
     sync(device)
     ttft = time.perf_counter() - t0
@@ -138,11 +140,11 @@ def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs
           bandwidth: float, peak_tflops: float) -> dict:
     if compile:
         t0 = time.perf_counter()
-        decode_step = compile_decode(model)
+        decode_step = make_step(model, compile=True)
         run_once(model, decode_step, batch_size, prompt_len, new_tokens, device)  # compiles
         compile_s = time.perf_counter() - t0
     else:
-        decode_step, compile_s = decode_one, 0.0
+        decode_step, compile_s = eager_step, 0.0
         run_once(model, decode_step, batch_size, prompt_len, min(new_tokens, 8), device)  # warm-up
     results = [run_once(model, decode_step, batch_size, prompt_len, new_tokens, device) for _ in range(runs)]
     ttft = statistics.median(r["ttft"] for r in results)
@@ -183,7 +185,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--compile", action="store_true", help="compile the decode step (as generate.py --compile)")
-    p.add_argument("--quantize", default=None, metavar="MODE", help="int8, int4 or int4:GROUP (as generate.py)")
+    p.add_argument("--quantize", default=None, metavar="MODE", help="int8, int4, int4:GROUP or none (as generate.py)")
     p.add_argument("--quantize-head", action="store_true", help="with --quantize: the LM head too")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--prompt-len", type=int, nargs="+", default=[32])
@@ -219,19 +221,14 @@ def run(args: argparse.Namespace) -> None:
         print(plan(SHAPES[args.shape], args.shape, args.memory_gib, args.context, bandwidth, args.peak_tflops,
                    args.kv_bytes))
         return
-    dtype = pick_dtype(args.dtype, device)
+    dtype, _ = pick_dtype(args.dtype, device)
     if args.shape:
-        if args.quantize:
-            from quantize import quantize_model
-
         with torch.device(device):
             model = Transformer(SHAPES[args.shape]).to(dtype).eval().requires_grad_(False)
-        if args.quantize:
+        if args.quantize not in (None, "none"):
             model = quantize_model(model, args.quantize, args.quantize_head)
         name = f"{args.shape} (random weights)"
     else:
-        from load import load_model
-
         model, path = load_model(args.model or default_model(), device, dtype,
                                  progress=not args.quiet and sys.stderr.isatty(), quantize=args.quantize,
                                  quantize_head=args.quantize_head)
@@ -245,7 +242,7 @@ def run(args: argparse.Namespace) -> None:
             for b in args.batch_size for p in args.prompt_len]
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
-              f"{'weights ' + args.quantize + (' +head' if args.quantize_head else '') + ' | ' if args.quantize else ''}"
+              f"weights {describe(model)} | "
               f"{'compiled' if args.compile else 'eager'} | {args.new_tokens} new tokens, median of {args.runs}")
     if args.compile:
         header += f" | compile + first run {rows[0]['compile_s']:.1f} s"

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from generate import Completion, Step, TextStream, check_request, gemv_backend, penalty_state, pick
+from decode import StepFn, Token, check_request, eager_step, end_reason, penalty_state, sample_tokens
 from kvcache import BlockPool, PagedKVCache
 from model import Transformer
 from sample import SamplingParams
+from text import Completion, TextStream, finish_reason, push_token
 
 
 @dataclass
@@ -87,7 +88,7 @@ class Seq:
     tokens: list[int]
     text: TextStream
     generator: torch.Generator
-    seen: torch.Tensor | None  # penalty state, as generate.pick keeps it
+    seen: torch.Tensor | None  # penalty state, as decode.sample_tokens keeps it
     generated: torch.Tensor | None
     blocks: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chained hash of each full block, in order
@@ -156,11 +157,13 @@ def chain_hash(previous: int, tokens: tuple[int, ...]) -> int:
 
 
 class Engine:
-    def __init__(self, model: Transformer, tokenizer, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: Transformer, tokenizer, config: EngineConfig = EngineConfig(),
+                 step: StepFn = eager_step):
         if config.token_budget < config.max_running:
             raise ValueError(f"token_budget ({config.token_budget}) must be >= max_running ({config.max_running}): "
                              "every running sequence decodes one token per step")
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.decode_step = step  # decode.make_step's policy
         weight = model.embed_tokens.weight
         self.device = weight.device
         self.pool = BlockPool.for_model(model.args, config.num_blocks, config.block_size, weight.dtype, self.device)
@@ -338,8 +341,7 @@ class Engine:
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)  # (B, 1)
         pos = torch.tensor([[s.n_computed] for s in seqs], device=self.device)  # (B, 1) per-row positions
         try:
-            with gemv_backend(tokens):  # one row: the GEMV-friendly CPU matmul backend, as generate.decode_one
-                logits = self.model(tokens, pos, PagedKVCache(self.pool, self._tables(seqs)))[:, -1]  # (B, V)
+            logits = self.decode_step(self.model, tokens, pos, PagedKVCache(self.pool, self._tables(seqs)))  # (B, V)
         except Exception as e:  # the batch's rows cannot be told apart: they fail, the engine serves on
             for seq in seqs:
                 self._fail(seq, e)
@@ -353,7 +355,7 @@ class Engine:
         tokens = torch.tensor([seq.tokens[start:start + n]], device=self.device)  # (1, n)
         pos = torch.arange(start, start + n, device=self.device)
         try:
-            logits = self.model(tokens, pos, PagedKVCache(self.pool, self._tables([seq])))[:, -1]  # (1, V)
+            logits = self.decode_step(self.model, tokens, pos, PagedKVCache(self.pool, self._tables([seq])))  # (1, V)
         except Exception as e:
             self._fail(seq, e)
             return
@@ -372,27 +374,22 @@ class Engine:
             self.blocks.register(seq.blocks[i], seq.hashes[-1], tokens)
 
     def _sample(self, seq: Seq, logits: torch.Tensor) -> None:
-        """Draw seq's next token from (1, V) logits (as generate.generate_steps does), stream it, maybe finish."""
+        """Draw seq's next token from (1, V) logits (as decode.generate does), stream it, maybe finish."""
         try:
-            token, (step,) = pick(logits, seq.request.params, seq.generator, seq.seen, seq.generated, None)
+            _, (token,) = sample_tokens(logits, seq.request.params, seq.generator, seq.seen, seq.generated, None)
         except Exception as e:  # this request fails alone
             self._fail(seq, e)
             return
-        seq.tokens.append(step.token)
-        n_new = len(seq.tokens) - seq.n_prompt
-        reason = None
-        if step.token in self.tokenizer.eos_ids:
-            reason, piece = "eos", ""
-        else:
-            piece = seq.text.push(step.token)
-            if seq.text.stopped:
-                reason = "stop"
-            elif n_new == seq.request.max_tokens or len(seq.tokens) > self.model.args.max_seq_len:
-                reason = "length"  # as generate_steps: the last token needs no position of its own
+        seq.tokens.append(token.id)
+        end = end_reason(token.id, len(seq.tokens) - seq.n_prompt, len(seq.tokens), seq.request.max_tokens,
+                         self.model.args.max_seq_len, self.tokenizer.eos_ids)
+        token.end = end
+        piece = push_token(seq.text, token)
+        reason = finish_reason(end, seq.text)
         if reason is None:
-            self._emit(seq, piece, [step.token], None)
+            self._emit(seq, piece, [token.id], None)
         else:
-            self._finish(seq, reason, piece, [step.token])
+            self._finish(seq, reason, piece, [token.id])
 
     def _fail(self, seq: Seq, e: Exception) -> None:
         """End seq with finish_reason "error": one line on stderr, the error in its last event."""
@@ -448,6 +445,6 @@ class Engine:
             tokens = [t for e in events[i] for t in e.token_ids]
             last = events[i][-1]
             out.append(Completion("".join(e.text for e in events[i]), tokens, last.finish_reason, len(prompt),
-                                  len(prompt) - last.cached_tokens, [Step(t) for t in tokens], first[i],
+                                  len(prompt) - last.cached_tokens, [Token(t) for t in tokens], first[i],
                                   time.perf_counter() - t0))
         return out

@@ -1,9 +1,14 @@
-"""Static KV cache: preallocated, fixed-shape buffers the caller writes by position.
+"""KV caches, the data a decode step reads besides the weights. The caller owns positions; a layer never advances
+the cache.
+
+- KVCache (static): per layer, preallocated fixed-shape buffers the caller writes by position, in the model dtype
+  or int8 with a scale per token and head. Fixed shapes are what let the decode step be compiled once (and captured
+  in a CUDA graph): a step writes T slots with index_copy_ and attends over all S slots; the mask, built from
+  positions by the model, hides slots that are not written yet or are stale.
+- BlockPool / PagedKVCache (paged, for engine.py): a pool of fixed-size blocks handed to sequences on demand, and
+  the view of one batch's block tables that the model's layers update and attend through.
 
 Shape legend: B batch, K key/value heads, S cache length (max_seq_len), T new tokens, D head dim.
-Fixed shapes are what let the decode step be compiled once (and captured in a CUDA graph):
-a step writes T slots with index_copy_ and attends over all S slots; the causal mask, built
-from positions by the model, hides slots that are not written yet or are stale.
 """
 import torch
 
@@ -93,11 +98,6 @@ class KVCache:
         """A cache shaped for ModelArgs `args` holding max_seq_len positions; kv_dtype "model" or "int8"."""
         assert max_seq_len <= args.max_seq_len, f"{max_seq_len} vs context {args.max_seq_len}"
         return cls(args.n_layers, batch_size, args.n_kv_heads, max_seq_len, args.head_dim, dtype, device, kv_dtype)
-
-    def reset(self) -> None:
-        for layer in self.layers:
-            for t in layer.buffers():
-                t.zero_()
 
     @property
     def nbytes(self) -> int:

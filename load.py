@@ -5,8 +5,9 @@ The model is built on the meta device and each tensor is read (safetensors: memo
 converted and assigned one at a time, so peak memory stays near the final weight bytes.
 
 Quantization happens here too, tensor by tensor, so the full-precision model never exists in memory:
-`load_model(..., quantize="int4:64")` quantizes each linear weight as it is read, and a folder written by
-`quantize.py --out` (quantization recorded in its safetensors metadata) is rebuilt with the same modules.
+`load_model(..., quantize="int4:64")` quantizes each linear weight as it is read; a folder written by
+`export.py` (quantization recorded in its safetensors metadata) is rebuilt with the same modules; a GGUF file's
+Q4_0/Q4_1 linears load as int4 codes as they are.
 """
 import ctypes
 import json
@@ -18,6 +19,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from model import ModelArgs, Transformer
+from quantize import dequantize_state, mode_name, parse_mode, swap_linears
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -60,12 +62,12 @@ def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progr
                quantize: str | None = None, quantize_head: bool = False, shard=None) -> tuple[Transformer, str]:
     """Load `model` (HF folder, hub id or .gguf file) onto device in dtype; returns (model, local path).
     quantize ('int8', 'int4', 'int4:GROUP') quantizes the linear layers (and the head with quantize_head)
-    while loading; a quantized checkpoint loads as saved, and a different `quantize` for it is an error.
+    while loading; None loads the checkpoint as it is: a quantized folder as saved, a GGUF file's Q4_0/Q4_1
+    linears as int4:32 codes (gguf_native_mode), anything else in dtype; 'none' dequantizes a GGUF file's
+    quantized tensors too. A quantized folder cannot be re-quantized: a different `quantize` for it is an error.
     shard (a tp.Shard) loads only this rank's slices into its smaller model (safetensors: only those bytes
     are read), ready for tp.install."""
-    if quantize is not None:
-        from quantize import parse_mode
-
+    if quantize not in (None, "none"):
         parse_mode(quantize)  # a bad mode fails before any reading
     elif quantize_head:
         raise ValueError("quantize_head (--quantize-head) needs a quantization mode (--quantize)")
@@ -80,9 +82,8 @@ def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progr
 
 
 def release_freed_memory() -> None:
-    """Hand freed heap memory back to the OS. glibc keeps what the per-tensor temporaries (float32 copies,
-    quantization intermediates) leave behind, fragmented: without this the peak RSS of a load grows by a
-    few MB with every tensor (SmolLM2's int4 load: ~220 MB more peak without it). A no-op off glibc."""
+    """Hand freed heap memory back to the OS: glibc keeps the per-tensor temporaries (float32 copies, quantization
+    intermediates) fragmented, so without this the peak RSS of a load grows with every tensor. A no-op off glibc."""
     libc = ctypes.CDLL(None)
     if hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
@@ -109,8 +110,6 @@ def assign_weights(model: Transformer, state: dict[str, torch.Tensor], device,
     if tied_float:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     elif model.args.tie_embeddings and "embed_tokens.weight" not in state:  # a saved quantized tied head
-        from quantize import dequantize_state
-
         dtype = state["norm.weight"].dtype  # the model dtype
         state["embed_tokens.weight"] = dequantize_state(model.lm_head, state, "lm_head.").to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -136,8 +135,6 @@ def quantizer(model: Transformer, quantize: str | None, quantize_head: bool):
     module name it adds to `filled`."""
     targets, filled = {}, set()
     if quantize is not None:
-        from quantize import swap_linears
-
         targets = {f"{name}.weight": (name, module)
                    for name, module in swap_linears(model, quantize, quantize_head).items()}
         if quantize_head and model.args.tie_embeddings:  # the checkpoint's one matrix feeds the quantized head
@@ -150,8 +147,6 @@ def quantizer(model: Transformer, quantize: str | None, quantize_head: bool):
         buffers = module.quantize_weight(w.to(device))  # plain layout, as checkpoints store it
         tied_head = {}
         if name == "embed_tokens.weight":  # a quantized tied head: the embedding is its dequantized copy
-            from quantize import dequantize_state
-
             tied_head = {name: dequantize_state(module, buffers, "").to(dtype)}
         module.load_state_dict(buffers, assign=True)
         filled.add(prefix)
@@ -163,8 +158,6 @@ def quantizer(model: Transformer, quantize: str | None, quantize_head: bool):
 def checkpoint_quantization(path: str, files: list[str], quantize: str | None, quantize_head: bool):
     """The (mode, quantize_head) a quantized folder was saved with, from its safetensors metadata, or None;
     a `quantize` request that differs from it is an error (the checkpoint's codes cannot be re-quantized)."""
-    from quantize import mode_name, parse_mode, read_quantization
-
     try:
         meta = read_quantization(os.path.join(path, files[0]))
     except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
@@ -173,11 +166,21 @@ def checkpoint_quantization(path: str, files: list[str], quantize: str | None, q
         return None
     saved = mode_name(*parse_mode(meta["quantization"] + (f":{meta['group_size']}" if meta["group_size"] else "")))
     saved_head = meta["quantize_head"] == "true"
-    if quantize is not None and (mode_name(*parse_mode(quantize)), quantize_head) != (saved, saved_head):
+    requested = None if quantize is None else "none" if quantize == "none" else mode_name(*parse_mode(quantize))
+    if requested is not None and (requested, quantize_head) != (saved, saved_head):
         raise ValueError(f"{path!r} is quantized as {saved}{' with the head' if saved_head else ''}; "
                          f"requested {quantize}{' with the head' if quantize_head else ''}: drop --quantize "
                          "to load it as saved, or quantize from the original weights")
     return saved, saved_head
+
+
+def read_quantization(file: str) -> dict[str, str] | None:
+    """The quantization entries of a safetensors file's metadata, or None if it is not quantized."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        meta = f.metadata() or {}
+    return {k: meta[k] for k in ("quantization", "group_size", "quantize_head")} if "quantization" in meta else None
 
 
 def read_json(path: str) -> dict:
@@ -191,7 +194,7 @@ def read_json(path: str) -> dict:
 def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False,
                    quantize: str | None = None, quantize_head: bool = False, shard=None) -> Transformer:
     """A Hugging Face folder: config.json plus model.safetensors or a sharded index;
-    a folder quantize.py wrote is rebuilt with its quantized modules."""
+    a folder export.py wrote is rebuilt with its quantized modules."""
     from safetensors import safe_open
 
     config_file = os.path.join(path, "config.json")
@@ -219,8 +222,6 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
     with torch.device("meta"):
         model = Transformer(args)
     if saved is not None:  # build the saved modules first: the file holds their buffers
-        from quantize import swap_linears
-
         swap_linears(model, *saved)
         quantize, quantize_head = None, False
     handles, found = {}, {}
@@ -234,7 +235,7 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
             raise ValueError(f"cannot read safetensors file {full!r}: {e}") from None
     shapes = {k: shard.local_shape(k, v[2], full_args) if shard else v[2] for k, v in found.items()}
     check_tensors(expected_shapes(model), shapes, path)
-    convert, filled = quantizer(model, quantize, quantize_head)
+    convert, filled = quantizer(model, None if quantize == "none" else quantize, quantize_head)
 
     state = {}
     for name, (file, key, _) in tqdm(found.items(), desc="loading", disable=not progress, unit="tensor"):
@@ -306,6 +307,36 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+GGUF_INT4 = ("Q4_0", "Q4_1")  # llama.cpp block types whose codes Int4Linear (group 32) takes as they are
+
+
+def gguf_native_mode(tensors: dict, quantize: str | None) -> str | None:
+    """The quantization the file's linear weights already have, when our modules can take their codes as they are:
+    "int4:32" when every block linear is Q4_0 or Q4_1 (llama.cpp's 4-bit blocks of 32). Used unless `quantize`
+    asks for something else ("none": dequantize everything, as before)."""
+    linears = [t.tensor_type.name for name, t in tensors.items() if name.startswith("layers.") and "_proj." in name]
+    native = "int4:32" if linears and all(kind in GGUF_INT4 for kind in linears) else None
+    if quantize is None or (native is not None and quantize != "none" and mode_name(*parse_mode(quantize)) == native):
+        return native
+    return None
+
+
+def gguf_int4(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0/Q4_1 tensor's codes (N, K) uint8 in [0, 15] and per-block scale and zero (N, K/32) float32, in our
+    int4 scheme w = (q - 8) * scale + zero. Q4_1 stores d and m with w = d * q + m: scale d, zero m + 8d; Q4_0 is
+    w = d * (q - 8): zero 0. A block's 16 bytes hold weights j (low nibble) and j + 16 (high nibble)."""
+    N, K = shape
+    raw = torch.from_numpy(t.data.copy()).view(N, K // 32, -1)  # (N, blocks, bytes per block)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, K/32)
+    if t.tensor_type.name == "Q4_1":
+        m, qs = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0], raw[..., 4:20]
+        zeros = m + 8 * d
+    else:
+        qs, zeros = raw[..., 2:18], torch.zeros_like(d)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).view(N, K)  # (N, K/32, 16) x 2 -> (N, K)
+    return codes, d, zeros
+
+
 def gguf_dequantize(t, shape: tuple[int, ...], rows: int = 4096) -> torch.Tensor:
     """A GGUF tensor as float32, dequantized `rows` rows at a time: numpy's temporaries for a large
     embedding would otherwise be several times its size, and set the peak memory of the whole load."""
@@ -343,11 +374,26 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
         shapes = {k: shard.local_shape(k, v, full_args) for k, v in shapes.items()}
     check_tensors(expected_shapes(model), shapes, path)
     reader.fields.clear()  # the metadata (the vocabulary: ~100k small arrays, ~100 MB) is read; free it
-    convert, filled = quantizer(model, quantize, quantize_head)
+    # A shard slices dequantized tensors; a quantized head is quantized from the dequantized embedding.
+    native = None if shard or quantize_head else gguf_native_mode(tensors, quantize)
+    if native is not None:  # the file's 4-bit codes, as they are
+        modules = {f"{name}.weight": (name, m) for name, m in swap_linears(model, native).items()}
+        quantize, quantize_head = None, False
+    convert, filled = quantizer(model, None if quantize == "none" else quantize, quantize_head)
 
     state = {}
-    for name, t in tqdm(tensors.items(), desc="dequantizing", disable=not progress, unit="tensor"):
+    for name, t in tqdm(tensors.items(), desc="loading", disable=not progress, unit="tensor"):
         shape = tuple(reversed(t.shape.tolist()))
+        if native is not None and name in modules:
+            codes, scales, zeros = gguf_int4(t, shape)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = full_args.n_heads if "q_proj" in name else full_args.n_kv_heads
+                codes, scales, zeros = (unpermute_qk(x, heads) for x in (codes, scales, zeros))
+            prefix, module = modules[name]
+            module.load_state_dict({k: v.to(device) for k, v in module.buffers_for_codes(codes, scales, zeros).items()},
+                                   assign=True)
+            filled.add(prefix)
+            continue
         w = gguf_dequantize(t, shape)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             w = unpermute_qk(w, full_args.n_heads if "q_proj" in name else full_args.n_kv_heads)

@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
+from cli import run_cli
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(ROOT, "data", "pride_and_prejudice_ch1-2.txt")
 
@@ -213,12 +215,15 @@ async def run_async(args: argparse.Namespace) -> list[dict]:
         import httpx
 
     limits = httpx.Limits(max_connections=args.requests + 1, max_keepalive_connections=args.requests + 1)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits, headers=headers) as client:
         try:
-            models = (await client.get(f"{args.url}/v1/models")).json()
+            models = await client.get(f"{args.url}/v1/models")
         except httpx.TransportError as e:
             raise ValueError(f"no server at {args.url} ({type(e).__name__}); start one with python serve.py") from None
-        model = models["data"][0]["id"]
+        if models.status_code != 200:  # e.g. 401: the server wants --api-key
+            raise ValueError(f"{args.url}/v1/models answered HTTP {models.status_code}: {models.text[:200]}")
+        model = models.json()["data"][0]["id"]
         # Not measured: first-call costs (allocation, lazy initialization) on the server.
         for prompt in make_prompts(args.warmup, args.min_words, args.max_words, random.Random(f"{args.seed}:warmup")):
             await one_request(client, args.url, model, prompt, args.max_tokens)
@@ -258,6 +263,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="per load point: requests still running then are cancelled and counted as failed")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results and samples to FILE")
+    p.add_argument("--api-key", default=os.environ.get("TINYLLM_API_KEY"), metavar="KEY",
+                   help="the server's --api-key (default: $TINYLLM_API_KEY)")
     return p.parse_args(argv)
 
 
@@ -278,7 +285,6 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from generate import run_cli  # one `error:` line for bad input, as every CLI here
 
     return run_cli(run, parse_args(argv))
 

@@ -119,8 +119,8 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int
 
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v for one query per row, written out: q (B, H, 1, D), k and v (B, K, S, D), mask
-    (1, S) or (B, 1, 1, S). torch's CPU SDPA kernel tiles over queries and spends ~2.5 ms per layer on 16 rows x
-    400 keys where these two small batched matmuls take ~1 ms (engine decode step: 131 -> 55 ms)."""
+    (1, S) or (B, 1, 1, S). torch's CPU SDPA kernel tiles over queries, which is slow for one query per row; two
+    small batched matmuls are faster there (README, Serving)."""
     B, H, _, D = q.shape
     K = k.shape[1]
     qg = q.view(B, K, H // K, D)  # (B, K, G, D): each kv head's group of G = H/K query heads

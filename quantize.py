@@ -1,19 +1,13 @@
 """Weight-only quantization: Int8Linear (per-output-channel symmetric) and Int4Linear (group-wise asymmetric,
-two 4-bit codes per byte), swapped in for nn.Linear; saving quantized checkpoints; the quality report.
+two 4-bit codes per byte), swapped in for nn.Linear.
 
 Shape legend: N out_features, K in_features, G group size, M rows of activations (batch x tokens).
 Decode reads every weight once per token, so fewer bytes per weight is faster decode; what that costs in
-quality is measured by `--eval`, not assumed. Each module has a native kernel path where torch has one
+quality is measured (quality.py), not assumed. Each module has a native kernel path where torch has one
 and a plain dequantize-then-matmul path (`dequantize()`) that the tests hold the kernels to.
-
-    python quantize.py --model M --mode int4:64 --out DIR   # a checkpoint generate.py --model DIR loads
-    python quantize.py --model M --eval                     # KL / top-1 / perplexity table on data/
+Writing a quantized checkpoint is export.py's; reading one is load.py's.
 """
-import argparse
-import json
 import math
-import os
-import sys
 
 import torch
 import torch.nn as nn
@@ -29,9 +23,6 @@ INT8_K_MULTIPLE = 16  # the CPU int8 kernel reads bf16 activations in 16-wide ti
 # row count, prefill included); int4 scales and zeros are bf16 always, as in gpt-fast.
 KERNEL_DTYPE = torch.bfloat16
 ROW_BLOCK = 4096  # rows quantized at a time: a large embedding's float32 temporaries would set the peak memory
-OUT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
-             "tokenizer.model", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
-DATA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pride_and_prejudice_ch1-2.txt")
 
 
 def parse_mode(mode: str) -> tuple[str, int | None]:
@@ -192,6 +183,18 @@ class Int4Linear(nn.Module):
         return {"weight": torch.cat([pack_int4(c) for c, _ in blocks]),
                 "scales_and_zeros": torch.cat([sz for _, sz in blocks], dim=1)}
 
+    def buffers_for_codes(self, codes: torch.Tensor, scales: torch.Tensor,
+                          zeros: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The plain buffers for codes (N, K) in [0, 15] with a scale and zero (N, K/G) per group, taken as they
+        are (a GGUF file's Q4_0/Q4_1 blocks): no rounding of the weights, only of scale and zero to bf16."""
+        N, K = codes.shape
+        assert (N, K) == (self.out_features, self.in_features) and scales.shape == (N, K // self.group_size)
+        pad_n, pad_groups = self.out_padded - N, (self.in_padded - K) // self.group_size
+        codes = F.pad(codes, (0, self.in_padded - K, 0, pad_n), value=8)  # padding: scale 0, zero 0, so 0
+        scales, zeros = (F.pad(t, (0, pad_groups, 0, pad_n)) for t in (scales, zeros))
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).to(KERNEL_DTYPE).contiguous()
+        return {"weight": pack_int4(codes.to(torch.uint8)), "scales_and_zeros": scales_and_zeros}  # (K/G, N, 2)
+
     def pack_for_kernel(self) -> None:
         """Convert the plain `weight` bytes to the layout of this device's kernel, if it has one."""
         if self.kernel is not None or self.weight.device.type == "meta":
@@ -284,6 +287,8 @@ def head_is_quantized(model: nn.Module) -> bool:
 def quantize_model(model: nn.Module, mode: str, quantize_head: bool = False) -> nn.Module:
     """Swap the model's nn.Linear modules for Int8Linear / Int4Linear in place, quantizing their weights.
     With tied embeddings and quantize_head, the embedding becomes the dequantized head: one matrix, as tied."""
+    if quantization_of(model) is not None:
+        raise ValueError("the model is quantized already; quantize from its float weights (load with quantize='none')")
     floats = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     for name, module in swap_linears(model, mode, quantize_head).items():
         module.load_state_dict(module.quantize_weight(floats[name]))
@@ -319,222 +324,10 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.nbytes for t in [*model.parameters(), *quantized])
 
 
-# ---- saving a quantized checkpoint folder ----
-
-def hf_config(args) -> dict:
-    """A Hugging Face LlamaForCausalLM config.json for ModelArgs (e.g. from a GGUF file)."""
-    if args.rope_freq_factors is not None:
-        raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
-                         "cannot express; save from the Hugging Face checkpoint instead")
-    if args.sliding_window is not None:
-        raise ValueError("sliding-window models are saved from their Hugging Face folder, not from GGUF")
-    cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args.vocab_size,
-        "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "intermediate_size": args.hidden_dim,
-        "hidden_act": "silu", "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False, "mlp_bias": False,
-    }
-    if args.rope_scaling:
-        cfg["rope_scaling"] = dict(args.rope_scaling)
-    return cfg
-
-
-def save_gguf_tokenizer(gguf_path: str, out: str) -> None:
-    """tokenizer.json (the tokenizers backend built from the GGUF vocabulary) plus tokenizer_config.json."""
-    from tokenizers import processors
-
-    from tokenizer import load_tokenizer
-
-    tok = load_tokenizer(gguf_path)
-    backend = tok.backend
-    # A folder's tokenizer adds BOS/EOS only through tokenizer.json's post-processor.
-    single = ([tok.bos_token] if tok.add_bos else []) + ["$A"] + ([tok.eos_token] if tok.add_eos else [])
-    if len(single) > 1:
-        special = [(t, backend.token_to_id(t)) for t in (tok.bos_token, tok.eos_token) if t in single]
-        backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
-    backend.save(os.path.join(out, "tokenizer.json"))
-    cfg = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
-           "add_eos_token": tok.add_eos, "tokenizer_class": "PreTrainedTokenizerFast"}
-    if tok.chat_template:
-        cfg["chat_template"] = tok.chat_template
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump(cfg, f, indent=2, ensure_ascii=False)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_ids}, f, indent=2)
-
-
-def check_out_folder(out: str) -> None:
-    """Refuse a non-empty --out folder unless it holds only a previous output of this command, and a folder that
-    cannot be made or written to: checked before the model is loaded and quantized, not after."""
-    if not os.path.exists(out):
-        parent = os.path.dirname(os.path.abspath(out))
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise ValueError(f"--out {out!r} cannot be created: {parent!r} is a file, not a folder")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ValueError(f"--out {out!r} cannot be created: no permission to write in {parent!r}")
-        return
-    if not os.path.isdir(out):
-        raise ValueError(f"--out {out!r} exists and is not a folder")
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out!r}: no permission to write in it")
-    entries = sorted(os.listdir(out))
-    if not entries:
-        return
-    foreign = [e for e in entries if e not in OUT_FILES]
-    previous = "model.safetensors" in entries and read_quantization(os.path.join(out, "model.safetensors"))
-    if foreign or not previous:
-        raise ValueError(f"--out {out!r} is not empty and is not a previous quantize.py output "
-                         f"({', '.join((foreign or entries)[:3])} ...); choose an empty or new folder")
-
-
-def read_quantization(file: str) -> dict[str, str] | None:
-    """The quantization entries of a safetensors file's metadata, or None if it is not quantized."""
-    from safetensors import safe_open
-
-    with safe_open(file, framework="pt") as f:
-        meta = f.metadata() or {}
-    return {k: meta[k] for k in ("quantization", "group_size", "quantize_head")} if "quantization" in meta else None
-
-
-def save_quantized(model: nn.Module, source: str, out: str) -> None:
-    """Write model.safetensors (quantization in its metadata), config.json and the tokenizer files to out."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    meta = quantization_of(model)
-    assert meta is not None, "save_quantized needs a quantized model"
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.args.tie_embeddings:  # a tied matrix is stored once: the embedding, or the quantized head
-        del state["embed_tokens.weight" if head_is_quantized(model) else "lm_head.weight"]
-    os.makedirs(out, exist_ok=True)
-    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt", **meta})
-    if os.path.isdir(source):
-        for name in OUT_FILES[1:]:
-            if os.path.isfile(os.path.join(source, name)):
-                shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
-    else:
-        with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(hf_config(model.args), f, indent=2)
-        save_gguf_tokenizer(source, out)
-
-
-# ---- quality: teacher-forced KL, top-1 agreement and perplexity against the float model ----
-
-@torch.no_grad()
-def teacher_forced_logprobs(model: nn.Module, tokens: list[int], kv_cache_dtype: str = "model") -> torch.Tensor:
-    """Log-probabilities (T, V) of every next token, the whole text in one pass through a KV cache."""
-    from kvcache import KVCache
-
-    device = model.embed_tokens.weight.device
-    cache = KVCache.for_model(model.args, 1, len(tokens), model.embed_tokens.weight.dtype, device,
-                              kv_dtype=kv_cache_dtype)
-    x = torch.tensor([tokens], device=device)  # (1, T)
-    logits = model(x, torch.arange(len(tokens), device=device), cache, all_logits=True)[0]  # (T, V)
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
-def compare(ref: torch.Tensor, test: torch.Tensor, tokens: list[int]) -> dict[str, float]:
-    """Mean KL(p_ref || p_test) per token, top-1 agreement and perplexity, from (T, V) log-probs."""
-    kl = (ref.exp() * (ref - test)).sum(-1)  # (T,)
-    targets = torch.tensor(tokens[1:])
-    nll = -test[:-1].gather(1, targets[:, None]).mean()  # predictions of tokens 1..T-1
-    return {"kl": kl.mean().item(), "top1": (ref.argmax(-1) == test.argmax(-1)).float().mean().item(),
-            "ppl": math.exp(nll.item())}
-
-
-def load_eval_tokens(tokenizer, max_tokens: int | None = None) -> list[int]:
-    with open(DATA_FILE, encoding="utf-8") as f:
-        tokens = tokenizer.encode(f.read())
-    return tokens[:max_tokens] if max_tokens else tokens
-
-
-def evaluate(model_path: str, device: str = "cpu", progress: bool = False) -> list[dict]:
-    """Rows of the quality table for the model at model_path (a float32 reference) over data/."""
-    import copy
-
-    from tqdm import tqdm
-
-    from load import load_model
-    from tokenizer import load_tokenizer
-
-    ref_model, path = load_model(model_path, device, torch.float32)
-    tokens = load_eval_tokens(load_tokenizer(path))
-    variants = [("float32", None, False, "model"), ("float32", None, False, "int8")]
-    for mode in ("int8", "int4:32", "int4:64", "int4:128"):
-        variants += [(mode, mode, False, "model"), (mode, mode, True, "model")]
-    ref = teacher_forced_logprobs(ref_model, tokens)
-    ref_ppl = compare(ref, ref, tokens)["ppl"]
-    rows = []
-    for name, mode, head, kv in tqdm(variants, desc="eval", disable=not progress):
-        model = ref_model if mode is None else quantize_model(copy.deepcopy(ref_model), mode, head)
-        test = ref if (mode is None and kv == "model") else teacher_forced_logprobs(model, tokens, kv)
-        row = compare(ref, test, tokens)
-        row.update(weights=name, head="yes" if head else "no", kv_cache=kv, weight_bytes=weight_bytes(model),
-                   dppl=row["ppl"] - ref_ppl, tokens=len(tokens))
-        rows.append(row)
-        del model
-    return rows
-
-
-def format_table(rows: list[dict]) -> str:
-    lines = ["| weights | head quantized | KV cache | weight MB | KL(ref ‖ quant) / token | top-1 agreement | "
-             "perplexity | Δ ppl |", "|---|---|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['weights']} | {r['head']} | {r['kv_cache']} | {r['weight_bytes'] / 1e6:.1f} | "
-                     f"{r['kl']:.5f} | {r['top1']:.4f} | {r['ppl']:.3f} | {r['dppl']:+.3f} |")
-    return "\n".join(lines)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Quantize a checkpoint to a folder, or report quantization quality.")
-    p.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: as generate.py)")
-    p.add_argument("--mode", default=None, help=MODES_HELP)
-    p.add_argument("--quantize-head", action="store_true", help="quantize the LM head too")
-    p.add_argument("--out", default=None, help="folder to write the quantized checkpoint to")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the scales and of the unquantized weights written with --out (default bfloat16)")
-    p.add_argument("--eval", action="store_true", help="print the quality table over the text in data/")
-    return p.parse_args(argv)
-
-
-def run(args: argparse.Namespace) -> None:
-    from generate import default_model
-    from load import load_model, resolve_model_path
-
-    progress = sys.stderr.isatty()
-    model_path = args.model or default_model()
-    if args.eval == bool(args.out):
-        raise ValueError("pass exactly one of --eval and --out DIR")
-    if args.eval:
-        print(format_table(evaluate(model_path, progress=progress)))
-        return
-    if args.mode is None:
-        raise ValueError(f"--out needs --mode ({MODES_HELP})")
-    parse_mode(args.mode)
-    check_out_folder(args.out)
-    source = resolve_model_path(model_path)
-    model, _ = load_model(source, "cpu", getattr(torch, args.dtype), progress=progress,
-                          quantize=args.mode, quantize_head=args.quantize_head)
-    try:
-        save_quantized(model, source, args.out)
-    except OSError as e:  # e.g. the disk filled up while writing
-        raise ValueError(f"cannot write to --out {args.out!r}: {e.strerror or e}") from None
-    print(f"wrote {args.out} ({args.mode}{', head quantized' if args.quantize_head else ''}, "
-          f"weights {weight_bytes(model) / 1e6:.1f} MB)", file=sys.stderr)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from generate import run_cli
-
-    return run_cli(run, parse_args(argv))
-
-
-if __name__ == "__main__":
-    import quantize  # run as the importable module: load.py builds its Int4Linear, isinstance must agree
-
-    sys.exit(quantize.main())
+def describe(model: nn.Module) -> str:
+    """'int4:32', 'int8 (+head)' or 'float': the weights a decode step reads, for summary lines."""
+    q = quantization_of(model)
+    if q is None:
+        return "float"
+    group = f":{q['group_size']}" if q["group_size"] else ""
+    return q["quantization"] + group + (" (+head)" if q["quantize_head"] == "true" else "")

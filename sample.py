@@ -58,8 +58,7 @@ def token_counts(rows: list[list[int]], vocab_size: int, device: torch.device | 
 
 
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor,
-                    repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                    frequency_penalty: float = 0.0) -> torch.Tensor:
+                    params: SamplingParams) -> torch.Tensor:
     """(B, V) logits -> penalized (B, V) float logits.
 
     Repetition penalty (HF/CTRL): the logit of every token in `seen` (prompt and generated, (B, V) bool) is
@@ -67,62 +66,58 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.T
     tokens only: logit -= presence * (count > 0) + frequency * count, with `generated` the (B, V) counts.
     """
     logits = logits.float()
-    if repetition_penalty != 1.0:
+    if params.repetition_penalty != 1.0:
         # In float32 a penalty past its range would be 0 or inf (0 * inf is NaN), and dividing by a tiny one
         # overflows (inf - inf is NaN in the softmax): the penalty and the result are kept finite.
         tiny, big = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
-        r = min(max(repetition_penalty, tiny), big)
+        r = min(max(params.repetition_penalty, tiny), big)
         penalized = torch.where(logits > 0, logits / r, logits * r).clamp(-big, big)
         logits = torch.where(seen, penalized, logits)
-    if presence_penalty != 0.0 or frequency_penalty != 0.0:
-        logits = logits - presence_penalty * (generated > 0).float() - frequency_penalty * generated
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        logits = logits - params.presence_penalty * (generated > 0).float() - params.frequency_penalty * generated
     return logits
 
 
-def logits_to_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                       min_p: float = 0.0) -> torch.Tensor:
+def logits_to_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(B, V) logits -> (B, V) log-probabilities after temperature (> 0), top-k, top-p (nucleus) and min-p,
     renormalized over the tokens kept; -inf for the tokens removed. The most likely token is always kept."""
     # Shifted so the largest logit is 0: a tiny temperature then sends the others to -inf, never to +inf. Below
     # float32's smallest normal number the divisor would round to 0 (0/0); any T that small is greedy anyway.
     logits = logits.float()
-    logits = (logits - logits.max(dim=-1, keepdim=True).values) / max(temperature, torch.finfo(torch.float32).tiny)
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1) smallest logit kept
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / max(params.temperature,
+                                                                      torch.finfo(torch.float32).tiny)
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (B, 1) smallest logit kept
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
+    if params.top_p < 1.0:
         sorted_probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)  # (B, V)
         # Drop a token once the more likely ones already cover top_p; the token crossing it stays.
-        sorted_drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        sorted_drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
         sorted_drop[:, 0] = False  # a top_p below float32's resolution (1e-300 -> 0) keeps the most likely token
         drop = torch.zeros_like(sorted_drop).scatter_(-1, order, sorted_drop)  # back to vocab order
         logits = logits.masked_fill(drop, float("-inf"))
-    if min_p > 0.0:
+    if params.min_p > 0.0:
         # Keep tokens at least min_p times as likely as the most likely one (the most likely always stays).
         probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        logits = logits.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return torch.log_softmax(logits, dim=-1)
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                    min_p: float = 0.0) -> torch.Tensor:
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(B, V) logits -> (B, V) probabilities after temperature (> 0), top-k, top-p and min-p."""
-    return logits_to_logprobs(logits, temperature, top_k, top_p, min_p).exp()
+    return logits_to_logprobs(logits, params).exp()
 
 
-def sampled_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                     min_p: float = 0.0) -> torch.Tensor:
+def sampled_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(B, V) log-probabilities of the distribution `sample` draws from. Greedy (temperature 0) has no
     distribution to draw from, so it reports the model's own: log_softmax of the logits, unfiltered."""
-    if temperature == 0:
+    if params.temperature == 0:
         return torch.log_softmax(logits.float(), dim=-1)
-    return logits_to_logprobs(logits, temperature, top_k, top_p, min_p)
+    return logits_to_logprobs(logits, params)
 
 
-def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None, min_p: float = 0.0) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, V) logits (penalties already applied) -> (B,) token ids."""
-    if temperature == 0:
+    if params.temperature == 0:
         return logits.argmax(dim=-1)
-    probs = logits_to_probs(logits, temperature, top_k, top_p, min_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(logits_to_probs(logits, params), 1, generator=generator).squeeze(-1)

@@ -9,12 +9,23 @@ Threads: the engine steps on one background thread (Engine.run_forever); the HTT
 loop. A handler submits an engine Request whose on_event callback, called on the engine thread, hands each Event and
 its arrival time to the handler's asyncio.Queue through loop.call_soon_threadsafe. A request whose client goes away
 is aborted, so its KV blocks return to the pool at the engine's next step.
+
+In front of every route, Gate (an ASGI middleware) refuses what must not be served: a Host header this server does
+not answer to and a cross-origin Origin (a web page driving a local server: CSRF, DNS rebinding), a missing API
+key, a POST that is not JSON, a body over the size limit or too slow to arrive, anything while shutting down. It
+counts every response by status and turns any exception into one log line and an error in OpenAI's format.
+Parsing a body, rendering the chat template and tokenizing run on a worker thread, never on the event loop.
+SIGTERM or SIGINT drains: new requests get 503, running ones may finish within --shutdown-timeout, the rest end
+with an error event, and the process exits 0.
 """
 import argparse
 import asyncio
 import bisect
+import hmac
 import json
+import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -22,15 +33,17 @@ import traceback
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
+from cli import DTYPES, default_model, pick_device, pick_dtype, run_cli
 from engine import Engine, EngineConfig, Event, QueueFull, Request
-from generate import DTYPES, default_model, pick_device, pick_dtype, run_cli
 from sample import SamplingParams
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
@@ -43,8 +56,25 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 # Known fields that are accepted only at the value that asks for nothing more than what is served (or null).
 ONLY = {"n": 1, "best_of": 1, "echo": False, "logprobs": False, "top_logprobs": 0, "suffix": "", "logit_bias": {}}
+# What Gate checks. /health and /metrics need no API key (probes and scrapers); Host and Origin apply everywhere.
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+OPEN_ROUTES = ("/health", "/metrics")
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # Host header names served by default, besides the bound host
+API_KEY_ENV = "TINYLLM_API_KEY"
+RETRY_AFTER_S = 1  # told to a client refused with 429: the queue moves at the engine's pace, a step or a few
+log = logging.getLogger("uvicorn.error")  # uvicorn's own log: its format, and --quiet silences it
 JSON_KINDS = {"number": (int, float), "integer": (int,), "string": (str,), "boolean": (bool,), "object": (dict,),
               "array": (list,)}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What the HTTP layer admits and how it stops (the engine's own knobs are EngineConfig)."""
+    api_key: str | None = None  # when set, all but OPEN_ROUTES need "Authorization: Bearer <api_key>"
+    hosts: tuple[str, ...] = LOCAL_HOSTS  # Host header names answered, lowercase, IPv6 in brackets; "*": any
+    max_body_bytes: int = 4 * 2 ** 20  # a prompt filling an 8k context is ~50 KB of JSON; 4 MiB leaves ample room
+    body_timeout_s: float = 30.0  # a body must have arrived this long after its headers (slow clients)
+    shutdown_timeout_s: float = 20.0  # grace for running requests on SIGTERM; under Kubernetes' 30 s to SIGKILL
 
 
 # ---- metrics ----
@@ -154,11 +184,48 @@ def sampling_params(body: dict) -> SamplingParams:
         raise BadRequest(str(e), name if name in SAMPLING else None) from None
 
 
-def completion_prompt(body: dict, tokenizer) -> list[int]:
+def check_unicode(body) -> None:
+    """BadRequest for a lone surrogate anywhere in body: JSON can escape one ("\\ud800") but it is no text (UTF-8
+    cannot encode it), so neither the tokenizer nor a response could take it. Iterative: bodies may nest deeply."""
+    stack = [(body, None)]
+    while stack:
+        value, param = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest(f"{param or 'the request'} contains a lone UTF-16 surrogate escape "
+                                 "(\\ud800-\\udfff not in a pair), which is not text", param) from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                field_ = param or (k if k in CHAT_FIELDS or k in COMPLETION_FIELDS else None)  # known: safe to echo
+                stack += [(k, field_), (v, field_)]
+        elif isinstance(value, list):
+            stack += [(v, param) for v in value]
+
+
+def longest_token(tokenizer) -> int:
+    """The most input characters one token can stand for: its length in the vocabulary. Byte-level BPE writes one
+    character per byte (and a character is at least a byte), sentencepiece one per character ("▁" for a space,
+    "<0x41>" for one byte), special tokens as themselves. So a text of N characters is >= N / this many tokens
+    (not so for a tokenizer that fuses runs of unknown characters into one token; none that load.py reads)."""
+    return max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)))
+
+
+def encode(tokenizer, text: str, max_chars: int, param: str, bos: bool | None = None) -> list[int]:
+    """tokenizer.encode, refusing first a text too long for the context by its length alone: megabytes of prompt
+    are never tokenized. max_chars: (positions - 1) * longest_token(tokenizer)."""
+    if len(text) > max_chars:
+        raise BadRequest(f"the prompt is {len(text)} characters, longer than the context: no more than {max_chars} "
+                         "characters can fit in it", param)
+    return tokenizer.encode(text, bos=bos)
+
+
+def completion_prompt(body: dict, tokenizer, max_chars: int) -> list[int]:
     """The prompt of /v1/completions: a string (encoded with BOS), or token ids."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return encode(tokenizer, prompt, max_chars, "prompt")
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
         if bad:
@@ -168,7 +235,7 @@ def completion_prompt(body: dict, tokenizer) -> list[int]:
     raise BadRequest("prompt must be a string or a non-empty array of token ids (one prompt per request)", "prompt")
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
+def chat_prompt(body: dict, tokenizer, max_chars: int) -> list[int]:
     """The prompt of /v1/chat/completions: the messages rendered with the model's chat template (which has BOS)."""
     import jinja2
 
@@ -192,12 +259,26 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
         text = tokenizer.apply_chat_template(turns)
     except jinja2.TemplateError as e:
         raise BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
-    return tokenizer.encode(text, bos=False)
+    return encode(tokenizer, text, max_chars, "messages", bos=False)
 
 
-def parse_request(body, chat: bool, tokenizer, max_len: int) -> tuple[Request, bool, bool]:
+def parse_body(raw: bytes, chat: bool, tokenizer, max_len: int, max_chars: int) -> tuple[Request, bool, bool]:
+    """parse_request of a raw body. Run on a worker thread: a large body takes a while to parse and tokenize."""
+    try:
+        try:
+            body = json.loads(raw)
+        except ValueError as e:  # also bad UTF-8
+            raise BadRequest(f"the request body is not valid JSON: {e}") from None
+        check_unicode(body)
+        return parse_request(body, chat, tokenizer, max_len, max_chars)
+    except RecursionError:  # json.loads, or json.dumps quoting a value in a message
+        raise BadRequest("the request body is nested too deeply") from None
+
+
+def parse_request(body, chat: bool, tokenizer, max_len: int, max_chars: int) -> tuple[Request, bool, bool]:
     """A request body -> (engine Request, stream, include_usage); BadRequest names what is wrong. max_len: the
-    most positions a sequence may take (chat's max_tokens defaults to what the prompt leaves of it)."""
+    most positions a sequence may take (chat's max_tokens defaults to what the prompt leaves of it); max_chars:
+    the longest prompt text worth tokenizing (see encode)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
@@ -209,7 +290,7 @@ def parse_request(body, chat: bool, tokenizer, max_len: int) -> tuple[Request, b
                              f"{json.dumps(only)}", name)
     get(body, "model", "string")  # any name is served by the one model
     get(body, "user", "string")
-    prompt = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer)
+    prompt = chat_prompt(body, tokenizer, max_chars) if chat else completion_prompt(body, tokenizer, max_chars)
     params = sampling_params(body)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = get(body, name, "integer", max(1, max_len - len(prompt)) if chat else COMPLETION_MAX_TOKENS)
@@ -234,9 +315,27 @@ def parse_request(body, chat: bool, tokenizer, max_len: int) -> tuple[Request, b
 
 # ---- responses ----
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
     """An error in OpenAI's format."""
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+          code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, code), status, headers)
+
+
+class Refused(Exception):
+    """A request answered with an error before its handler could answer it (raised in Gate, or by its receive)."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.code, self.headers = status, kind, code, headers
+
+    def response(self) -> JSONResponse:
+        return error(self.status, str(self), self.kind, None, self.code, self.headers)
 
 
 def finish_reason(event: Event) -> str:
@@ -259,22 +358,34 @@ def choice(chat: bool, text: str, reason: str | None, stream: bool) -> dict:
     return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": reason}
 
 
-class EngineDied(RuntimeError):
-    """The engine thread stopped on an error; the message says which."""
+class Failed(RuntimeError):
+    """A generation ended without its answer: the engine failed it or died (500), or the server is shutting
+    down (503). The message says which."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class Server:
-    """What the handlers share: the engine and its thread, the tokenizer, the metrics, and the queues of the
-    requests in flight (so that an engine that dies fails them instead of leaving them waiting)."""
+    """What the handlers share: the engine and its thread, the tokenizer, the metrics, the queues of the requests
+    in flight (so that an engine that dies, or a shutdown, fails them instead of leaving them waiting), and the
+    shutdown state."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+    def __init__(self, engine: Engine, tokenizer, model_name: str, config: ServeConfig):
+        self.engine, self.tokenizer, self.model_name, self.config = engine, tokenizer, model_name, config
         self.metrics = Metrics()
         self.created = int(time.time())
         # The most positions one sequence can take: the context, and all the KV blocks of the pool.
         self.max_len = min(engine.model.args.max_seq_len, engine.stats()["blocks_total"] * engine.config.block_size)
+        self.max_chars = (self.max_len - 1) * longest_token(tokenizer)  # a longer prompt text surely does not fit
         self.open: set[asyncio.Queue] = set()
         self.error: str | None = None  # why the engine thread died
+        self.draining = False  # shutting down: Gate answers 503
+        self.closed: str | None = None  # set when the requests still running were ended: why
+        self.inflight = 0  # requests past Gate whose response is not complete
+        self.hurry = False  # a second signal: end the running requests now
+        self.drainer: asyncio.Task | None = None
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -289,18 +400,51 @@ class Server:
         self.engine.stop_waiting()
         self.thread.join()
 
-    def run_engine(self) -> None:
+    def run_engine(self) -> bool:
+        """Step the engine until stop is set (True) or it fails (False, after failing the requests in flight)."""
         try:
             self.engine.run_forever(self.stop)
+            return True
         except Exception as e:  # fail the requests in flight and /health rather than leave them waiting
             traceback.print_exc()
             if self.loop is not None:
                 self.loop.call_soon_threadsafe(self.engine_died, f"the engine stopped: {type(e).__name__}: {e}")
+            return False
 
     def engine_died(self, message: str) -> None:
         self.error = message
+        self.end_all()
+
+    def end_all(self) -> None:
+        """Wake every request waiting for events: each ends with Failed (see events())."""
         for queue in self.open:
             queue.put_nowait((time.perf_counter(), None))
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM or SIGINT (on the event loop): stop admitting and drain; a second signal ends the rest now."""
+        if self.drainer is None:
+            self.draining = True
+            self.drainer = asyncio.ensure_future(self.drain())
+        else:
+            self.hurry = True
+
+    async def drain(self) -> None:
+        """Let the requests in flight finish within config.shutdown_timeout_s, end those left (streams get an error
+        event and [DONE]), then stop the engine: run_engine returns and the process exits."""
+        loop = asyncio.get_running_loop()
+        log.info(f"shutting down: {self.inflight} requests in flight get up to {self.config.shutdown_timeout_s} s")
+        deadline = loop.time() + self.config.shutdown_timeout_s
+        while self.inflight and loop.time() < deadline and not self.hurry:
+            await asyncio.sleep(0.05)
+        if self.inflight:
+            log.info(f"shutting down: ending {self.inflight} requests still in flight")
+            self.closed = "the server is shutting down"
+            self.end_all()
+            deadline = loop.time() + 5  # they only write their error now; a client that reads nothing is left
+            while self.inflight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        self.stop.set()
+        self.engine.stop_waiting()
 
     def submit(self, request: Request) -> tuple[int, asyncio.Queue]:
         """Submit to the engine; its events arrive on the returned queue as (time.perf_counter(), Event)."""
@@ -316,13 +460,14 @@ class Server:
 
     async def events(self, request_id: int, queue: asyncio.Queue, t0: float) -> AsyncIterator[Event]:
         """The request's events up to the last one; aborts the request when the consumer stops first (its client
-        went away). Records TTFT (from t0, the request's arrival) and TPOT."""
+        went away). Records TTFT (from t0, the request's arrival) and TPOT. Failed when it ends without its
+        answer."""
         first = last = event = None
         try:
             while True:
                 t, event = await queue.get()
                 if event is None:
-                    raise EngineDied(self.error)
+                    raise Failed(self.error, 500) if self.error else Failed(self.closed, 503)
                 if event.token_ids:
                     if first is None:
                         first = t
@@ -332,6 +477,8 @@ class Server:
                     self.open.discard(queue)
                     tpot = (last - first) / (event.completion_tokens - 1) if event.completion_tokens > 1 else None
                     self.metrics.finish(event.finish_reason, event, tpot)
+                    if event.finish_reason == "error":  # the engine failed this request alone and serves on
+                        raise Failed(f"the request failed: {event.error}", 500)
                     yield event
                     return
                 yield event
@@ -348,6 +495,122 @@ class Server:
         self.metrics.finish("abort", last)
 
 
+# ---- the gate: what every request passes first ----
+
+def host_name(host: str) -> str:
+    """The name in a Host header, lowercase: "[::1]:8000" -> "[::1]", "LocalHost:8000" -> "localhost"."""
+    host = host.strip().lower()
+    return host[:host.find("]") + 1] if host.startswith("[") else host.rpartition(":")[0] or host
+
+
+def key_matches(authorization: str, key: str) -> bool:
+    """Whether an Authorization header (decoded as Latin-1, as HTTP carries it) is "Bearer <key>", compared in
+    constant time."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key.encode())
+
+
+def admit(scope: dict, server: Server) -> None:
+    """Refused for a request this server does not serve, checked in this order: Host, Origin, API key, shutdown,
+    Content-Type of a POST, Content-Length."""
+    config = server.config
+    headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+    host = headers.get("host", "")
+    if "*" not in config.hosts and host_name(host) not in config.hosts:  # DNS rebinding: evil.com -> 127.0.0.1
+        raise Refused(400, f"Host {host[:100]!r} is not served here; allowed: {', '.join(config.hosts)} "
+                      "(serve.py --allowed-hosts adds names)")
+    origin = headers.get("origin")
+    if origin is not None and origin.lower() not in (f"http://{host.lower()}", f"https://{host.lower()}"):
+        # Browsers send Origin on cross-origin requests: a web page must not drive a server on this machine.
+        raise Refused(403, f"cross-origin requests are refused (Origin {origin[:100]!r}); call the API from a "
+                      "program, not from a web page")
+    path = scope["path"]
+    if config.api_key is not None and path not in OPEN_ROUTES and not key_matches(headers.get("authorization", ""),
+                                                                                   config.api_key):
+        raise Refused(401, "a missing or incorrect API key; send it as the header 'Authorization: Bearer KEY'",
+                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    if server.draining and path not in OPEN_ROUTES:
+        raise Refused(503, "the server is shutting down", "server_error")
+    media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
+    if scope["method"] == "POST" and media_type != "application/json":  # a form or text/plain: no preflight
+        raise Refused(415, f"Content-Type must be application/json, got {media_type[:50]!r}")
+    length = headers.get("content-length", "")
+    if length.isdigit() and int(length) > config.max_body_bytes:  # refused before a byte of it is read
+        raise Refused(413, f"the request body is {length} bytes, over the limit of {config.max_body_bytes}")
+
+
+def limited(receive, config: ServeConfig):
+    """receive, refusing a body over config.max_body_bytes as it arrives (a chunked one has no Content-Length)
+    with 413, or one not all there config.body_timeout_s after the headers with 408. After the body it waits
+    as long as receive does (for the client's disconnect)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config.body_timeout_s
+    received, done = 0, False
+
+    async def receive_limited() -> dict:
+        nonlocal received, done
+        if done:
+            return await receive()
+        try:
+            message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            raise Refused(408, f"the request body did not arrive within {config.body_timeout_s} s",
+                          headers={"Connection": "close"}) from None
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > config.max_body_bytes:
+                raise Refused(413, f"the request body is over the limit of {config.max_body_bytes} bytes")
+            done = not message.get("more_body", False)
+        return message
+
+    return receive_limited
+
+
+class Gate:
+    """ASGI middleware before every route: admit() and limited() refuse what is not served, every response is
+    counted by endpoint and status, and an exception becomes one log line (no traceback) and a 500 in OpenAI's
+    format. The in-flight count is what a shutdown waits for."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":  # the lifespan
+            await self.app(scope, receive, send)
+            return
+        server, path = self.server, scope["path"]
+        endpoint = path if path in ROUTES else "other"  # one label for all unknown paths, not one each
+        started = False
+
+        async def counted(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                server.metrics.count(endpoint, message["status"])
+            await send(message)
+
+        try:
+            admit(scope, server)
+            server.inflight += 1
+            try:
+                await self.app(scope, limited(receive, server.config), counted)
+            finally:
+                server.inflight -= 1
+        except Refused as e:
+            if not started:
+                await e.response()(scope, receive, counted)
+        except ClientDisconnect:  # it left while sending its body: nobody to answer
+            server.metrics.count(endpoint, 499)  # nginx's "client closed request"
+            log.info(f"{scope['method']} {path}: the client went away while sending its body")
+        except Exception as e:
+            log.error(f"{scope['method']} {path} failed: {type(e).__name__}: {e}")
+            if not started:
+                await error(500, f"the server failed on this request ({type(e).__name__})",
+                            "server_error")(scope, receive, counted)
+
+
+# ---- the routes ----
+
 async def abort_on_disconnect(receive, engine: Engine, request_id: int) -> None:
     """Wait until the client disconnects (its body is read already), then abort its request."""
     while (await receive())["type"] != "http.disconnect":
@@ -358,26 +621,19 @@ async def abort_on_disconnect(receive, engine: Engine, request_id: int) -> None:
 async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
     """POST /v1/completions (chat=False) and /v1/chat/completions (chat=True)."""
     t0 = time.perf_counter()
-    endpoint = http.url.path
     try:
-        raw = await http.body()
-        try:
-            body = json.loads(raw)
-        except ValueError as e:  # also bad UTF-8
-            raise BadRequest(f"the request body is not valid JSON: {e}") from None
-        request, stream, include_usage = parse_request(body, chat, server.tokenizer, server.max_len)
-        if server.error is not None:
-            server.metrics.count(endpoint, 503)
-            return error(503, server.error, "server_error")
+        raw = await http.body()  # at most config.max_body_bytes, or Gate answers 413
+        request, stream, include_usage = await asyncio.to_thread(parse_body, raw, chat, server.tokenizer,
+                                                                 server.max_len, server.max_chars)
+        if server.error is not None or server.closed is not None:
+            return error(503, server.error or server.closed, "server_error")
         request_id, queue = server.submit(request)
     except BadRequest as e:
-        server.metrics.count(endpoint, 400)
         return error(400, str(e), param=e.param)
     except QueueFull as e:
-        server.metrics.count(endpoint, 429)
-        return error(429, f"the server is busy: {e}; retry later", "rate_limit_error")
+        return error(429, f"the server is busy: {e}; retry later", "rate_limit_error",
+                     headers={"Retry-After": str(RETRY_AFTER_S)})
     except ValueError as e:  # the engine's checks: prompt longer than the context, more KV blocks than the pool
-        server.metrics.count(endpoint, 400)
         return error(400, str(e))
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else ""),
@@ -390,12 +646,10 @@ async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
             async with aclosing(server.events(request_id, queue, t0)) as events:
                 async for last in events:
                     parts.append(last.text)
-        except EngineDied as e:
-            server.metrics.count(endpoint, 500)
-            return error(500, str(e), "server_error")
+        except Failed as e:
+            return error(e.status, str(e), "server_error")
         finally:
             watcher.cancel()
-        server.metrics.count(endpoint, 200)
         return JSONResponse({**head, "choices": [choice(chat, "".join(parts), finish_reason(last), False)],
                              "usage": usage(last)})
 
@@ -416,11 +670,10 @@ async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
                         yield chunk([choice(chat, "", finish_reason(event), True)])
                         if include_usage:
                             yield chunk([], usage(event))
-        except EngineDied as e:  # the status (200) is sent already: report it in the stream
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
+        except Failed as e:  # the status (200) is sent already: report it in the stream
+            yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
         yield "data: [DONE]\n\n"
 
-    server.metrics.count(endpoint, 200)
     async def release() -> None:  # for a client gone before the stream began: sse() never ran, nor its finally
         server.release(request_id, queue)
 
@@ -428,11 +681,12 @@ async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
                              background=BackgroundTask(release))
 
 
-def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = True) -> FastAPI:
+def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = True,
+             config: ServeConfig = ServeConfig()) -> FastAPI:
     """The FastAPI app serving `engine`. With engine_thread its lifespan starts the engine on a thread of its own
     and stops it at shutdown; without, the caller runs app.state.server.run_engine() (serve.py: on the main
     thread, while uvicorn serves from another)."""
-    server = Server(engine, tokenizer, model_name)
+    server = Server(engine, tokenizer, model_name, config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -445,6 +699,7 @@ def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = T
 
     app = FastAPI(title="tinyllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.add_middleware(Gate, server=server)
 
     @app.exception_handler(HTTPException)
     async def http_error(http: HTTPRequest, e: HTTPException) -> Response:  # unknown path, wrong method
@@ -460,20 +715,17 @@ def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = T
 
     @app.get("/v1/models")
     async def models() -> Response:
-        server.metrics.count("/v1/models", 200)
         return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model",
                                                          "created": server.created, "owned_by": "tinyllm"}]})
 
     @app.get("/health")
     async def health() -> Response:
-        status = 200 if server.error is None else 503
-        server.metrics.count("/health", status)
-        return JSONResponse({"status": "ok" if status == 200 else "error", "error": server.error,
-                             "model": model_name, "engine": engine.stats()}, status)
+        status = "error" if server.error else "draining" if server.draining else "ok"
+        return JSONResponse({"status": status, "error": server.error, "model": model_name,
+                             "engine": engine.stats()}, 200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        server.metrics.count("/metrics", 200)
         return Response(server.metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
 
     return app
@@ -481,8 +733,12 @@ def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = T
 
 # ---- command line ----
 
+def num_blocks_arg(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    defaults = EngineConfig()
+    defaults, serving = EngineConfig(), ServeConfig()
     p = argparse.ArgumentParser(description="Serve a model over an OpenAI-compatible HTTP API "
                                 "(/v1/completions, /v1/chat/completions), with continuous batching.")
     p.add_argument("--model", default=None, help="Hugging Face folder, hub id, or .gguf file (default: the "
@@ -491,11 +747,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
+                   help="weights and activations (default auto: bfloat16 where the device computes it natively, "
+                   "else float32, as generate.py)")
     p.add_argument("--quantize", default=None, metavar="MODE",
                    help="weight-only quantization while loading: int8, int4 or int4:GROUP (as generate.py)")
     p.add_argument("--block-size", type=int, default=defaults.block_size, help="positions per KV block")
-    p.add_argument("--num-blocks", type=int, default=defaults.num_blocks, help="KV blocks in the pool")
+    p.add_argument("--num-blocks", type=num_blocks_arg, default="auto",
+                   help="KV blocks in the pool, block 0 (padding) included (default auto: one sequence of the "
+                   f"model's whole context fits, and at least {defaults.num_blocks})")
     p.add_argument("--max-running", type=int, default=defaults.max_running,
                    help="sequences decoded together at most")
     p.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
@@ -505,19 +764,50 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
     p.add_argument("--static-batching", action="store_true",
                    help="admit a new batch only when the running one has finished (for comparison)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else no key)")
+    p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME",
+                   help="Host header names to answer besides localhost, 127.0.0.1, [::1] and --host ('*': any)")
+    p.add_argument("--max-body-bytes", type=int, default=serving.max_body_bytes,
+                   help=f"larger request bodies get HTTP 413 (default {serving.max_body_bytes})")
+    p.add_argument("--shutdown-timeout", type=float, default=serving.shutdown_timeout_s, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, how long running requests may take to finish before they are ended "
+                   f"(default {serving.shutdown_timeout_s:g})")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
     return p.parse_args(argv)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    for flag in ("block_size", "num_blocks", "max_running", "max_waiting", "token_budget"):
+def check_flags(args: argparse.Namespace) -> None:
+    """A ValueError for a flag out of range, before the model loads."""
+    for flag in ("block_size", "max_running", "max_waiting", "token_budget", "max_body_bytes"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.num_blocks != "auto" and args.num_blocks < 2:
+        raise ValueError(f"--num-blocks must be >= 2 (block 0 only pads block tables), got {args.num_blocks}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    return EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_running=args.max_running,
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError(f"--api-key (or ${API_KEY_ENV}) is empty; leave it unset to serve without a key")
+
+
+def engine_config(args: argparse.Namespace, context: int) -> EngineConfig:
+    """The engine's knobs; --num-blocks auto holds one sequence of the model's whole context."""
+    num_blocks = args.num_blocks
+    if num_blocks == "auto":  # + 1: block 0 pads block tables
+        num_blocks = max(EngineConfig.num_blocks, -(-context // args.block_size) + 1)
+    return EngineConfig(block_size=args.block_size, num_blocks=num_blocks, max_running=args.max_running,
                         max_waiting=args.max_waiting, token_budget=args.token_budget,
                         prefix_caching=not args.no_prefix_caching, static_batching=args.static_batching)
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The HTTP layer's knobs; the bound address is one of the Host names answered (a wildcard address is not)."""
+    names = [*LOCAL_HOSTS, *([] if args.host in ("0.0.0.0", "::", "") else [args.host]), *args.allowed_hosts]
+    hosts = [f"[{h}]" if ":" in h and not h.startswith("[") else h for h in (n.strip().lower() for n in names)]
+    return ServeConfig(api_key=args.api_key, hosts=tuple(dict.fromkeys(hosts)), max_body_bytes=args.max_body_bytes,
+                       shutdown_timeout_s=args.shutdown_timeout)
 
 
 def check_port(host: str, port: int) -> None:
@@ -543,35 +833,44 @@ def run(args: argparse.Namespace) -> None:
     from load import load_model
     from tokenizer import load_tokenizer
 
-    config = engine_config(args)
+    check_flags(args)
     check_port(args.host, args.port)  # before the model loads
     device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    dtype, dtype_why = pick_dtype(args.dtype, device)
     model_path = args.model or default_model()
     model, path = load_model(model_path, device, dtype, progress=not args.quiet and sys.stderr.isatty(),
                              quantize=args.quantize)
     tokenizer = load_tokenizer(path)
+    config = engine_config(args, model.args.max_seq_len)
     engine = Engine(model, tokenizer, config)
-    app = make_app(engine, tokenizer, served_name(model_path), engine_thread=False)
+    app = make_app(engine, tokenizer, served_name(model_path), engine_thread=False, config=serve_config(args))
+    server = app.state.server
+    # timeout_keep_alive: an idle connection is closed after 5 s. The graceful timeout only backs up drain(),
+    # which has ended every request by the time uvicorn stops.
     http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=not args.quiet,
-                                         log_level="warning" if args.quiet else "info", timeout_graceful_shutdown=5))
+                                         log_level="warning" if args.quiet else "info", timeout_keep_alive=5,
+                                         timeout_graceful_shutdown=5))
     web = threading.Thread(target=http.run, name="http", daemon=True)
     web.start()
     while not http.started and web.is_alive():
         time.sleep(0.05)
     if not web.is_alive():  # uvicorn printed why (e.g. the port is taken)
         raise RuntimeError(f"the HTTP server did not start on {args.host}:{args.port}")
+    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn, off the main thread, installs no handlers of its own
+        signal.signal(sig, lambda *_: server.loop.call_soon_threadsafe(server.begin_shutdown))
     if not args.quiet:
         print(f"serving {served_name(model_path)} on http://{args.host}:{args.port} | {device.type} "
-              f"{str(dtype).removeprefix('torch.')} | {config}", file=sys.stderr)
+              f"{str(dtype).removeprefix('torch.')} ({dtype_why}) | API key {'required' if args.api_key else 'off'} "
+              f"| {config}", file=sys.stderr)
     # The engine steps on the main thread and uvicorn serves from another: here, torch's OpenMP-parallel ops
     # ran 2-5x slower when called from a thread other than the main one (decode 31 vs 61 tokens/s, bf16).
     try:
-        app.state.server.run_engine()  # returns only if the engine failed (it printed why; requests got the error)
-        raise SystemExit(1)
+        stopped = server.run_engine()  # until drain() stops it, or it fails (it printed why; requests got it)
     finally:
         http.should_exit = True
         web.join(timeout=10)
+    if not stopped:
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> int:

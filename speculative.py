@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from generate import Step, check_request, common_prefix, new_cache
+from decode import StepFn, Token, check_request, common_prefix, eager_step, end_reason, new_cache
 from model import Transformer
 from sample import SamplingParams, logits_to_probs, sample
 
@@ -51,20 +51,15 @@ def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     return n, target_argmax.gather(-1, n[:, None])[:, 0]
 
 
-def draft_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(N, V) logits -> (N, V) probabilities of the distribution sampling draws from (the same for p and q)."""
-    return logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-
-
 class ModelDraft:
     """A draft model with its own KV cache: a smaller model sharing the target's tokenizer, or the target
     re-loaded quantized (self-draft). It samples k tokens autoregressively and returns their q rows."""
 
-    def __init__(self, model: Transformer, target: Transformer):
+    def __init__(self, model: Transformer, target: Transformer, step: StepFn = eager_step):
         if model.args.vocab_size != target.args.vocab_size:
             raise ValueError(f"draft model vocab_size {model.args.vocab_size} != target vocab_size "
                              f"{target.args.vocab_size}; the draft must share the target's tokenizer")
-        self.model = model
+        self.model, self.step = model, step
         self.cache = None
         self.cached: list[int] = []  # tokens whose keys/values the cache holds, at positions 0..len-1
         self.forwards = 0  # draft forward passes, for the cost ratio c
@@ -82,7 +77,7 @@ class ModelDraft:
         n = common_prefix(self.cached, context)
         del self.cached[n:]
         feed = torch.tensor([context[n:]], device=device)  # (1, T): the prompt at first, then 1-2 new tokens
-        logits = self.model(feed, torch.arange(n, len(context), device=device), self.cache)[:, -1]  # (1, V)
+        logits = self.step(self.model, feed, torch.arange(n, len(context), device=device), self.cache)  # (1, V)
         self.cached.extend(context[n:])
         tokens, qs = [], []
         for i in range(k):
@@ -90,12 +85,12 @@ class ModelDraft:
             if params.temperature == 0:
                 x = logits.argmax(dim=-1)  # (1,)
             else:
-                qs.append(draft_probs(logits, params)[0])  # (V,)
+                qs.append(logits_to_probs(logits, params)[0])  # (V,)
                 x = torch.multinomial(qs[-1], 1, generator=generator)  # (1,)
             tokens.append(x.item())
             if i == k - 1:
                 break  # the last draft is fed with the next verify's tokens, if it is accepted
-            logits = self.model(x.view(1, 1), torch.tensor([len(context) + i], device=device), self.cache)[:, -1]
+            logits = self.step(self.model, x.view(1, 1), torch.tensor([len(context) + i], device=device), self.cache)
             self.cached.append(tokens[-1])
         return tokens, torch.stack(qs) if qs else None
 
@@ -175,7 +170,7 @@ def _now(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def speculative_steps(
+def generate(
     model: Transformer,
     draft: ModelDraft | PromptLookupDraft,
     prompt: list[int],
@@ -185,16 +180,17 @@ def speculative_steps(
     stop_ids: Sequence[int] = (),
     k: int = 4,
     stats: SpecStats | None = None,
-) -> Iterator[Step]:
-    """Yield up to max_new_tokens Steps like generate.generate_steps (same stopping rules, same distribution;
-    greedy output is token-identical), drafting up to k tokens per target forward."""
+    step: StepFn = eager_step,
+) -> Iterator[Token]:
+    """Yield Tokens as decode.generate does (the same end rule, the same distribution; greedy output is
+    token-identical), drafting up to k tokens per target forward."""
     if k < 1:
         raise ValueError(f"speculate k must be >= 1, got {k}")
     if params.penalized:
         raise ValueError("repetition/presence/frequency penalties are not supported with speculative decoding")
     context = model.args.max_seq_len
     check_request(prompt, max_new_tokens, context)
-    # As generate_steps: the cache holds prompt + generated tokens; the very last token is never fed.
+    # As decode.generate: the cache holds prompt + generated tokens; the very last token is never fed.
     max_seq = min(len(prompt) + max_new_tokens, context)
     limit = min(max_new_tokens, max_seq - len(prompt) + 1)  # tokens to generate
     stats = stats if stats is not None else SpecStats(k)
@@ -203,11 +199,12 @@ def speculative_steps(
     draft.start(max_seq)
     greedy = params.temperature == 0
 
-    logits = model(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device), cache)[:, -1]
-    first = sample(logits, params.temperature, params.top_k, params.top_p, generator, params.min_p).item()
-    tokens = list(prompt) + [first]
-    yield Step(first)
-    if first in stop_ids or limit == 1:
+    logits = step(model, torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device), cache)
+    first = Token(sample(logits, params, generator).item())
+    tokens = list(prompt) + [first.id]
+    first.end = end_reason(first.id, 1, len(tokens), max_new_tokens, max_seq, stop_ids)
+    yield first
+    if first.end:
         return
     while True:
         pos = len(tokens) - 1  # the last token's position: not yet in the target's cache
@@ -219,12 +216,13 @@ def speculative_steps(
         kd = len(drafts)
         # One target forward over the last token and the drafts: row i is p after tokens + drafts[:i].
         fed = torch.tensor([[tokens[-1]] + drafts], device=device)  # (1, k'+1)
-        logits = model(fed, torch.arange(pos, pos + kd + 1, device=device), cache, all_logits=True)  # (1, k'+1, V)
+        positions = torch.arange(pos, pos + kd + 1, device=device)
+        logits = step(model, fed, positions, cache, all_logits=True)  # (1, k'+1, V)
         draft_t = torch.tensor([drafts], dtype=torch.long, device=device)  # (1, k')
         if greedy:
             n, nxt = verify_greedy(logits.argmax(dim=-1), draft_t)
         else:
-            p = draft_probs(logits[0], params)[None]  # (1, k'+1, V)
+            p = logits_to_probs(logits[0], params)[None]  # (1, k'+1, V)
             if q is None:  # a deterministic proposal: q is one-hot on the drafted tokens
                 q = torch.nn.functional.one_hot(draft_t[0], p.shape[-1]).to(p.dtype)  # (k', V)
             n, nxt = verify(p, q[None], draft_t, generator)
@@ -238,36 +236,10 @@ def speculative_steps(
         # overwritten by the next verify, which starts at the next token's position (rollback by position).
         for t in drafts[:n] + [nxt]:
             tokens.append(t)
-            yield Step(t)
-            if t in stop_ids or len(tokens) - len(prompt) == limit:
+            out = Token(t, end=end_reason(t, len(tokens) - len(prompt), len(tokens), max_new_tokens, max_seq,
+                                          stop_ids))
+            yield out
+            if out.end:
                 return
 
 
-def make_draft(args, model: Transformer, path: str, device: torch.device, dtype: torch.dtype,
-               progress: bool = False) -> ModelDraft | PromptLookupDraft | None:
-    """The draft the CLI flags ask for (--draft-model, --draft-quantize, --prompt-lookup), or None."""
-    if args.prompt_lookup:
-        return PromptLookupDraft()
-    if args.draft_model is None and args.draft_quantize is None:
-        return None
-    from load import load_model
-
-    draft, _ = load_model(args.draft_model or path, device, dtype, progress=progress, quantize=args.draft_quantize)
-    return ModelDraft(draft.eval(), model)
-
-
-def check_args(args, params: SamplingParams) -> bool:
-    """Whether the CLI flags ask for speculative decoding; a ValueError for combinations it does not support."""
-    if args.speculate_k < 1:
-        raise ValueError(f"--speculate-k must be >= 1, got {args.speculate_k}")
-    if not (args.draft_model or args.draft_quantize or args.prompt_lookup):
-        return False
-    if args.prompt_lookup and (args.draft_model or args.draft_quantize):
-        raise ValueError("--prompt-lookup is a draft of its own; it cannot take --draft-model/--draft-quantize")
-    for flag, used in (("penalties", params.penalized), ("--logprobs", args.logprobs is not None),
-                       ("--prompts-file", args.prompts_file), ("--interactive", args.interactive),
-                       ("--compile", args.compile or args.compile_prefill),
-                       ("--kv-cache-dtype int8", args.kv_cache_dtype != "model")):
-        if used:
-            raise ValueError(f"{flag} is not supported with speculative decoding")
-    return True

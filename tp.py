@@ -101,11 +101,15 @@ def install(model) -> None:
         layer.all_reduce = all_reduce
 
 
+def launched() -> bool:
+    """Whether torchrun started this process as one of several ranks."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def from_env() -> Shard | None:
     """Under torchrun with WORLD_SIZE > 1: join the process group (NCCL if CUDA is there, else gloo) and
     return this process's Shard; otherwise None."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if not launched():
         return None
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

@@ -5,7 +5,6 @@ import torch
 
 import bench
 from model import Transformer
-from tiny_models import make_hf
 
 
 def test_param_counts_match_the_models():
@@ -30,11 +29,10 @@ def test_plan_mistral_7b_gqa(capsys):
     assert "KV cache: 128 KiB/token, 0.5 GiB per sequence at 4096 tokens" in capsys.readouterr().out
 
 
-def test_benchmark_table_and_json(tmp_path, capsys):
-    make_hf("llama-gqa").save_pretrained(tmp_path / "model")
+def test_benchmark_table_and_json(tiny_dir, tmp_path, capsys):
     out_file = tmp_path / "result.json"
-    assert bench.main(["--model", str(tmp_path / "model"), "--runs", "2", "--new-tokens", "6", "--prompt-len", "5",
-                       "9", "--json", str(out_file), "--quiet"]) == 0
+    assert bench.main(["--model", tiny_dir, "--dtype", "float32", "--runs", "2", "--new-tokens", "6",
+                       "--prompt-len", "5", "9", "--json", str(out_file), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "measured memory bandwidth" in out and "% roofline" in out
     result = json.loads(out_file.read_text())
@@ -45,8 +43,7 @@ def test_benchmark_table_and_json(tmp_path, capsys):
     assert r["tpot_ms"] > 0 and r["decode_tok_s"] > 0 and r["weight_bytes"] > 0
 
 
-def test_bad_arguments(capsys):
-    assert bench.main(["--plan"]) == 1
-    assert "--plan needs --shape" in capsys.readouterr().err
-    assert bench.main(["--shape", "llama-2-7b", "--new-tokens", "1"]) == 1
-    assert "--new-tokens must be >= 2" in capsys.readouterr().err
+def test_bad_arguments(cli_error):
+    assert "--plan needs --shape" in cli_error(bench.main, ["--plan"])
+    assert "--new-tokens must be >= 2" in cli_error(bench.main, ["--shape", "llama-2-7b", "--new-tokens", "1"])
+    assert "--prompt-len must be >= 1" in cli_error(bench.main, ["--shape", "llama-2-7b", "--prompt-len", "0"])

@@ -1,17 +1,18 @@
 """The CUDA paths: the int8/int4 kernels (tinygemm for int4) against their dequantize-then-matmul reference,
 CUDA logits against CPU ones, and the CUDA-graph compiled decode step (reduce-overhead) against eager.
 They need a GPU, so CI (CPU only) skips them; the GPU check runs them (see README, Benchmarks)."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import quantize as q
-from generate import compile_decode, decode_one, generate
+from decode import compiled_step, eager_step
 from kvcache import KVCache
-from tiny_models import hf_to_ours, make_hf
+from tiny_models import greedy_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-torch.set_grad_enabled(False)
 CUDA = torch.device("cuda")
 SHAPES = [(64, 64), (40, 72), (17, 33), (96, 160), (4096, 4096)]  # (N, K): odd ones take the padding path
 
@@ -62,10 +63,8 @@ def test_cuda_checkpoint_loads_on_cpu():
 
 
 @pytest.fixture(scope="module")
-def models():
-    cpu = hf_to_ours(make_hf("llama-gqa"))
-    cuda = hf_to_ours(make_hf("llama-gqa")).to(CUDA)
-    return cpu, cuda
+def models(tiny):
+    return tiny, copy.deepcopy(tiny).to(CUDA)
 
 
 def test_cuda_logits_match_cpu(models):
@@ -95,14 +94,12 @@ def test_cuda_graph_decode_matches_eager_without_recompiling(models, mode):
 
     model = models[1]
     if mode is not None:
-        import copy
-
         model = q.quantize_model(copy.deepcopy(model).to(torch.bfloat16), mode)
     torch._dynamo.reset()
-    compiled = compile_decode(model)
+    compiled = compiled_step(model)
     for i, prompt in enumerate([[7, 8, 9, 10], [11, 12, 13, 14]]):
-        tokens = list(generate(model, prompt, 31))
-        eager = forced_logits(model, decode_one, prompt, tokens)
+        tokens = greedy_ids(model, prompt, 31)
+        eager = forced_logits(model, eager_step, prompt, tokens)
         tolerance = 1e-4 if mode is None else 2e-2 * eager.abs().max().item()
         with torch._dynamo.config.patch(error_on_recompile=i > 0):  # the second prompt: no recompiling
             got = forced_logits(model, compiled, prompt, tokens)
@@ -112,4 +109,4 @@ def test_cuda_graph_decode_matches_eager_without_recompiling(models, mode):
 def test_cuda_generate_matches_cpu(models):
     cpu, cuda = models
     prompt = [5, 17, 42, 99, 3]
-    assert list(generate(cuda, prompt, 40)) == list(generate(cpu, prompt, 40))
+    assert greedy_ids(cuda, prompt, 40) == greedy_ids(cpu, prompt, 40)

@@ -1,38 +1,25 @@
-"""The serving engine against generate.py: paged attention vs the static cache, continuous batching with chunked
-prefill, prefix-cache hits and preemption token-identical to single runs, and block accounting."""
+"""The serving engine against decode.generate: continuous batching with chunked prefill, prefix-cache hits and
+preemption token-identical to single runs, per-request sampling, failures confined to their request, and block
+accounting. (The paged cache itself is checked against the static one in test_kvcache.py.)"""
+import copy
+import os
 import random
 
 import pytest
 import torch
 
+import engine as engine_module
+from decode import eager_step
 from engine import Engine, EngineConfig, QueueFull, Request
-from generate import generate, generate_steps
-from kvcache import BlockPool, KVCache, PagedKVCache
+from helpers import ROOT, ToyTokenizer
 from sample import SamplingParams
-from tiny_models import hf_to_ours, make_hf
-
-torch.set_grad_enabled(False)
-
-
-class ToyTokenizer:
-    """Token i is the text '<i>'; no EOS unless given."""
-
-    def __init__(self, eos_ids=()):
-        self.eos_ids = list(eos_ids)
-
-    def stream(self):
-        class Decoder:
-            def push(self, token):
-                return f"<{token}>"
-
-            def flush(self):
-                return ""
-        return Decoder()
+from tiny_models import greedy_ids
 
 
 @pytest.fixture(scope="module")
-def model():
-    return hf_to_ours(make_hf("llama-gqa"))  # fp32, context 256
+def model(tiny):
+    """The shared tiny model (fp32, context 256); a test that patches it works on a copy."""
+    return tiny
 
 
 def random_prompts(lengths, seed=0):
@@ -41,36 +28,6 @@ def random_prompts(lengths, seed=0):
 
 
 LENGTHS = [3, 17, 40, 9, 33, 64, 5, 21, 50, 12]
-
-
-def test_paged_logits_equal_static_cache(model):
-    """Two rows at different positions, blocks scattered through the pool: the logits of a prefill in two chunks
-    and of batched decode steps equal the static cache's."""
-    pool = BlockPool.for_model(model.args, 40, 4, torch.float32, "cpu")
-    tables = torch.tensor([[5, 3, 9, 1, 2, 7, 11, 12, 13, 14, 15, 16],
-                           [20, 39, 21, 22, 8, 23, 24, 25, 26, 27, 28, 29]])  # (2, 12): 48 positions each
-    prompts = random_prompts([30, 21])
-    for b, prompt in enumerate(prompts):
-        static = KVCache.for_model(model.args, 1, 48, torch.float32, "cpu")
-        paged = PagedKVCache(pool, tables[b:b + 1])
-        x = torch.tensor([prompt])
-        for lo, hi in [(0, 13), (13, len(prompt))]:
-            want = model(x[:, lo:hi], torch.arange(lo, hi), static, all_logits=True)
-            got = model(x[:, lo:hi], torch.arange(lo, hi), paged, all_logits=True)
-            assert (got - want).abs().max() <= 1e-5
-    # batched decode: row 0 at position 30, row 1 at 21 (per-row positions), against each row's static cache
-    statics = []
-    for prompt in prompts:
-        statics.append(KVCache.for_model(model.args, 1, 48, torch.float32, "cpu"))
-        model(torch.tensor([prompt]), torch.arange(len(prompt)), statics[-1])
-    pos = torch.tensor([[30], [21]])
-    for step in range(5):
-        tokens = torch.tensor([[7 + step], [90 - step]])
-        got = model(tokens, pos, PagedKVCache(pool, tables))[:, -1]
-        for b in range(2):
-            want = model(tokens[b:b + 1], pos[b], statics[b])[:, -1]
-            assert (got[b] - want[0]).abs().max() <= 1e-5
-        pos += 1
 
 
 CONFIGS = {
@@ -86,7 +43,7 @@ CONFIGS = {
 def test_concurrent_greedy_equals_single_runs(model, name):
     prompts = random_prompts(LENGTHS)
     prompts += [prompts[2][:30] + [7, 8], prompts[5] + [1, 2, 3]]  # share full blocks with earlier prompts
-    expected = [list(generate(model, p, 20)) for p in prompts]
+    expected = [greedy_ids(model, p, 20) for p in prompts]
     engine = Engine(model, ToyTokenizer(), CONFIGS[name])
     for _ in range(2):  # the second round hits the prefix cache (where memory allows)
         got = engine.generate(prompts, max_tokens=20)
@@ -104,10 +61,8 @@ def test_concurrent_greedy_equals_single_runs(model, name):
 
 def test_prefix_hit_verifies_tokens(model):
     """A block whose chained hash matches but whose tokens differ (a forced collision) is not reused."""
-    import engine as engine_module
-
     prompts = random_prompts([20, 20], seed=3)
-    expected = [list(generate(model, p, 8)) for p in prompts]
+    expected = [greedy_ids(model, p, 8) for p in prompts]
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60))
     original = engine_module.chain_hash
     try:
@@ -121,13 +76,13 @@ def test_prefix_hit_verifies_tokens(model):
 
 def test_sampled_requests_match_generate_with_the_same_seed(model):
     """Each request samples with its own parameters and generator: seeded, the engine's tokens are
-    generate_steps' tokens with that seed, however the requests are batched."""
+    decode.generate's tokens with that seed, however the requests are batched."""
     prompts = random_prompts([7, 25, 13, 40], seed=5)
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.2)
     expected = []
     for i, p in enumerate(prompts):
         g = torch.Generator().manual_seed(100 + i)
-        expected.append([s.token for s in generate_steps(model, p, 16, params, g)])
+        expected.append(greedy_ids(model, p, 16, params, generator=g))
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=100, max_running=4, token_budget=16))
     results = {}
     for i, p in enumerate(prompts):
@@ -138,9 +93,24 @@ def test_sampled_requests_match_generate_with_the_same_seed(model):
     assert [results[i] for i in range(len(prompts))] == expected
 
 
+def test_engine_runs_the_step_it_is_given(model):
+    """The engine's forwards go through its decode-step policy (decode.make_step's), prefill chunks and batched
+    decodes alike."""
+    shapes = []
+
+    def step(model, tokens, input_pos, cache, all_logits=False):
+        shapes.append(tuple(tokens.shape))
+        return eager_step(model, tokens, input_pos, cache, all_logits)
+
+    prompts = random_prompts([5, 11], seed=4)
+    eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60), step=step)
+    assert [c.tokens for c in eng.generate(prompts, max_tokens=6)] == [greedy_ids(model, p, 6) for p in prompts]
+    assert (1, 5) in shapes and (1, 11) in shapes and (2, 1) in shapes  # two prefills, then decodes together
+
+
 def test_stop_eos_and_max_tokens(model):
     prompt = random_prompts([10], seed=7)[0]
-    full = list(generate(model, prompt, 12))
+    full = greedy_ids(model, prompt, 12)
     eng = Engine(model, ToyTokenizer(eos_ids=[full[5]]), EngineConfig(block_size=4, num_blocks=60))
     c = eng.generate([prompt], max_tokens=12)[0]
     assert c.finish_reason == "eos" and c.tokens == full[:full.index(full[5]) + 1]
@@ -191,25 +161,24 @@ def test_a_failing_callback_aborts_only_its_request(model, capsys):
     while eng.step():
         pass
     assert "client bug" in capsys.readouterr().err
-    assert [t for e in events for t in e.token_ids] == list(generate(model, prompts[1], 8))
+    assert [t for e in events for t in e.token_ids] == greedy_ids(model, prompts[1], 8)
     assert eng.stats()["blocks_used"] == 0 and eng.stats()["requests_finished"] == 2
 
 
 def test_a_failure_fails_only_its_request_and_the_engine_serves_on(model, monkeypatch, capsys):
     """A request whose sampling raises ends with finish_reason "error" (one stderr line, no traceback); the rows
     batched with it are exact, and a forward that raises fails that step's rows only."""
-    import engine as engine_module
-
+    model = copy.deepcopy(model)  # its forward is patched below
     prompts = random_prompts([6, 9, 12], seed=12)
     poisoned = SamplingParams(temperature=0.5)
-    real_pick = engine_module.pick
+    real_sample_tokens = engine_module.sample_tokens
 
-    def pick(logits, params, *args):
+    def sample_tokens(logits, params, *args):
         if params is poisoned:
             raise FloatingPointError("overflow in sampling")
-        return real_pick(logits, params, *args)
+        return real_sample_tokens(logits, params, *args)
 
-    monkeypatch.setattr(engine_module, "pick", pick)
+    monkeypatch.setattr(engine_module, "sample_tokens", sample_tokens)
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60, max_running=4))
     events = {}
     for p, params in zip(prompts, [SamplingParams(), poisoned, SamplingParams()]):
@@ -218,7 +187,7 @@ def test_a_failure_fails_only_its_request_and_the_engine_serves_on(model, monkey
         pass
     assert events[1][-1].finish_reason == "error" and "overflow in sampling" in events[1][-1].error
     for i in (0, 2):
-        assert [t for e in events[i] for t in e.token_ids] == list(generate(model, prompts[i], 8))
+        assert [t for e in events[i] for t in e.token_ids] == greedy_ids(model, prompts[i], 8)
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1 and "request 1 failed" in err
 
@@ -235,7 +204,7 @@ def test_a_failure_fails_only_its_request_and_the_engine_serves_on(model, monkey
     done = eng.generate(prompts[:2], max_tokens=8)
     assert [c.finish_reason for c in done] == ["error", "error"]
     monkeypatch.setattr(model, "forward", real_forward)
-    assert eng.generate([prompts[0]], max_tokens=8)[0].tokens == list(generate(model, prompts[0], 8))
+    assert eng.generate([prompts[0]], max_tokens=8)[0].tokens == greedy_ids(model, prompts[0], 8)
     assert eng.stats()["blocks_used"] == 0
 
 
@@ -255,17 +224,14 @@ def test_bad_requests(model):
         Engine(model, ToyTokenizer(), EngineConfig(max_running=64, token_budget=32))
 
 
-def test_smollm2_concurrent_greedy_equals_single_runs(smollm2_gguf):
-    """8 real prompts of mixed lengths, fp32, chunked prefill: the same tokens as generate.py, one at a time."""
-    from load import load_model
-    from tokenizer import load_tokenizer
-
-    model, path = load_model(smollm2_gguf, "cpu", torch.float32)
-    tok = load_tokenizer(path)
-    with open("data/pride_and_prejudice_ch1-2.txt", encoding="utf-8") as f:
+@pytest.mark.slow
+def test_smollm2_concurrent_greedy_equals_single_runs(smollm2):
+    """8 real prompts of mixed lengths, fp32, chunked prefill: the same tokens as decode.generate, one at a time."""
+    model, tok = smollm2
+    with open(os.path.join(ROOT, "data", "pride_and_prejudice_ch1-2.txt"), encoding="utf-8") as f:
         text = f.read()
     prompts = [tok.encode(text[i * 300:i * 300 + n]) for i, n in enumerate([40, 400, 120, 900, 60, 250, 700, 30])]
-    expected = [list(generate(model, p, 24, stop_ids=tok.eos_ids)) for p in prompts]
+    expected = [greedy_ids(model, p, 24, stop_ids=tok.eos_ids) for p in prompts]
     eng = Engine(model, tok, EngineConfig(block_size=16, num_blocks=256, token_budget=128))
     got = eng.generate(prompts, max_tokens=24)
     assert [c.tokens for c in got] == expected

@@ -1,114 +1,265 @@
-"""The generation loop against a plain uncached loop, its stopping rules, and the compiled decode step."""
+"""generate.py, the command line: every bad flag or input is one `error:` line (checked in-process, most before
+any model loads), real runs on SmolLM2 (single prompt, --chat, --prompts-file --json, --interactive, speculative
+decoding), and two runs as a user starts them: the README command and a reader that closes the pipe early."""
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+
 import pytest
-import torch
 
-from generate import compile_decode, decode_one, generate
-from kvcache import KVCache
-from tiny_models import hf_to_ours, make_hf
-
-torch.set_grad_enabled(False)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return hf_to_ours(make_hf("llama-gqa"))
+import generate
+from decode import Token
+from helpers import ROOT, ToyTokenizer, child_env, run_py
+from sample import SamplingParams
+from text import Completion
+from tiny_models import greedy_ids
 
 
-def greedy_uncached(model, prompt: list[int], n: int) -> list[int]:
-    """The simplest possible decoder: rerun the whole sequence for every new token."""
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(model(torch.tensor([seq]), torch.arange(len(seq)))[0, -1].argmax().item())
-    return seq[len(prompt):]
+# The model as the `smollm2` fixture holds it (the GGUF's blocks dequantized to float32), where a run's tokens are
+# compared with the fixture's or with texts measured on it.
+FLOAT32 = ["--dtype", "float32", "--quantize", "none"]
 
 
-def test_greedy_matches_uncached_loop(model):
-    prompt = [5, 17, 42, 99, 3]
-    assert list(generate(model, prompt, 40)) == greedy_uncached(model, prompt, 40)
+def error_of(cli_error, argv: list[str]) -> str:
+    return cli_error(generate.main, argv)
 
 
-def test_stops_after_stop_id(model):
-    prompt = [5, 17, 42, 99, 3]
-    full = list(generate(model, prompt, 40))
-    stop = full[10]
-    got = list(generate(model, prompt, 40, stop_ids=[stop]))
-    assert got == full[: full.index(stop) + 1]
+# ---- flags, checked before anything loads ----
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--prompt", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "hi", "--temperature", "inf"], "temperature must be >= 0 and finite"),
+    (["--prompt", "hi", "--top-k", "-3"], "top_k must be >= 0"),
+    (["--prompt", "hi", "--min-p", "2"], "min_p must be in [0, 1]"),
+    (["--prompt", "hi", "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+    (["--prompt", "hi", "--frequency-penalty", "5"], "frequency_penalty must be in [-2, 2]"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "hi", "--stop", ""], "stop strings must be non-empty, got ''"),
+    (["--prompt", "hi", "--logprobs", "-1"], "--logprobs must be >= 0"),
+    (["--prompt", "caf\udce9"], "--prompt is not valid UTF-8"),  # a non-UTF-8 byte, as surrogateescape hands it
+    (["--prompt", "hi", "--stop", "\udce9"], "--stop is not valid UTF-8"),
+    (["--prompt", "hi", "--seed", str(2**64)], "--seed must be in [-2**63, 2**64)"),
+    (["--prompt", "hi", "--system", "terse"], "--system needs --chat"),
+    (["--interactive"], "--interactive needs --chat"),
+    (["--interactive", "--chat", "--prompts-file", "p.txt"], "--interactive reads turns from stdin"),
+    (["--prompts-file", "nope.txt", "--prompt", "hi"], "either --prompt or --prompts-file, not both"),
+    ([], "no prompt: pass --prompt TEXT, --prompts-file F, or --interactive with --chat"),
+    (["--prompt", "hi", "--quantize", "int3"], "unknown quantization mode 'int3'"),
+    (["--prompt", "hi", "--quantize", "int4:48"], "group size '48'"),
+    (["--prompt", "hi", "--draft-quantize", "fp8"], "unknown quantization mode 'fp8'"),
+    (["--prompt", "hi", "--quantize-head"], "--quantize-head) needs a quantization mode (--quantize)"),
+    (["--prompt", "hi", "--prompt-lookup", "--speculate-k", "0"], "--speculate-k must be >= 1, got 0"),
+    (["--prompt", "hi", "--prompt-lookup", "--draft-model", "m"], "--prompt-lookup is a draft of its own"),
+    (["--prompt", "hi", "--prompt-lookup", "--repetition-penalty", "1.2"],
+     "penalties is not supported with speculative decoding"),
+    (["--prompt", "hi", "--draft-quantize", "int4", "--logprobs", "2"],
+     "--logprobs is not supported with speculative decoding"),
+    (["--prompts-file", "p.txt", "--prompt-lookup"], "--prompts-file is not supported with speculative decoding"),
+    (["--prompt", "hi", "--prompt-lookup", "--kv-cache-dtype", "int8"],
+     "--kv-cache-dtype int8 is not supported with speculative decoding"),
+    (["--prompt", "hi", "--device", "tpu"], "device 'tpu'"),
+    (["--prompts-file", "nope.txt"], "prompts file 'nope.txt' does not exist"),
+])
+def test_bad_flags_are_one_line_errors(cli_error, argv, fragment):
+    assert fragment in error_of(cli_error, argv)
 
 
-def test_stops_at_context_limit(model):
-    context = model.args.max_seq_len  # 256
-    prompt = list(range(1, 151)) + list(range(1, 101))  # 250 tokens
-    got = list(generate(model, prompt, 100))
-    # The last position (context - 1) can be fed, so its logits give one more token: context - len + 1.
-    assert len(got) == context - len(prompt) + 1
-    assert got == greedy_uncached(model, prompt, len(got))
+def test_tensor_parallel_flag_combinations(cli_error, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it
+    assert "tensor parallel (torchrun) does not support --interactive" in error_of(
+        cli_error, ["--interactive", "--chat"])
+    assert "tensor parallel (torchrun) is not supported with speculative decoding" in error_of(
+        cli_error, ["--prompt", "hi", "--prompt-lookup"])
 
 
-def test_prompt_longer_than_context(model):
-    with pytest.raises(ValueError, match="the prompt is 256 tokens, longer than the model's context of 255"):
-        list(generate(model, [1] * 256, 10))
+def test_check_args_returns_the_sampling_parameters():
+    args = generate.parse_args(["--prompt", "hi", "--temperature", "0.5", "--top-k", "7", "--top-p", "0.9",
+                                "--min-p", "0.1", "--repetition-penalty", "1.1", "--presence-penalty", "0.2",
+                                "--frequency-penalty", "0.3"])
+    assert generate.check_args(args) == SamplingParams(0.5, 7, 0.9, 0.1, 1.1, 0.2, 0.3)
+    # one decode-step policy for every path: --compile goes with speculative decoding too
+    for draft in (["--prompt-lookup"], ["--draft-quantize", "int4:32"], ["--draft-model", "m"]):
+        args = generate.parse_args(["--prompt", "hi", "--compile-prefill", "--temperature", "0", *draft])
+        assert generate.check_args(args) == SamplingParams()
 
 
-def test_seeded_sampling_is_reproducible(model):
-    def run(seed):
-        return list(generate(model, [1, 2, 3], 30, temperature=1.0, top_p=0.9,
-                             generator=torch.Generator().manual_seed(seed)))
-    assert run(3) == run(3)
-    assert run(3) != run(4)
+def test_unreadable_prompts_files(cli_error, tmp_path, monkeypatch):
+    assert "is a directory" in error_of(cli_error, ["--prompts-file", str(tmp_path)])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    assert "has no prompts" in error_of(cli_error, ["--prompts-file", str(empty)])
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9\n")
+    assert "is not UTF-8 text" in error_of(cli_error, ["--prompts-file", str(bad)])
+    locked = tmp_path / "locked.txt"
+    locked.write_text("hi\n")
+    real_open = open
+
+    def no_permission(path, *args, **kwargs):  # chmod 000 does not stop root, who runs CI
+        if str(path) == str(locked):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_permission)
+    assert "cannot read prompts file" in error_of(cli_error, ["--prompts-file", str(locked)])
 
 
-def test_compiled_decode_matches_eager_without_recompiling(model):
-    """32 greedy steps: compiled logits equal eager ones; after warm-up, another generation of the
-    same shape must not recompile (error_on_recompile turns a recompile into an exception)."""
-    import torch._dynamo
-
-    def greedy_logits(step, prompt: list[int], n: int) -> torch.Tensor:
-        cache = KVCache.for_model(model.args, 1, len(prompt) + n, torch.float32, "cpu")
-        logits = model(torch.tensor([prompt]), torch.arange(len(prompt)), cache)[:, -1]
-        out = [logits]
-        for pos in range(len(prompt), len(prompt) + n - 1):
-            logits = step(model, logits.argmax(-1, keepdim=True), torch.tensor([pos]), cache)
-            out.append(logits)
-        return torch.cat(out)  # (n, V)
-
-    torch._dynamo.reset()
-    compiled = compile_decode(model)
-    eager = greedy_logits(decode_one, [7, 8, 9, 10], 32)
-    assert (greedy_logits(compiled, [7, 8, 9, 10], 32) - eager).abs().max() <= 1e-4
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        again = greedy_logits(compiled, [11, 12, 13, 14], 32)
-    assert (again - greedy_logits(decode_one, [11, 12, 13, 14], 32)).abs().max() <= 1e-4
+def test_interactive_with_stdin_closed(cli_error, monkeypatch):
+    monkeypatch.setattr("sys.stdin", None)  # what Python sets for `generate.py ... <&-`
+    assert "stdin, which is closed" in error_of(cli_error, ["--interactive", "--chat"])
 
 
-def test_compiled_prefill_has_dynamic_length(model):
-    """--compile-prefill: prompts of three lengths give eager's logits (<= 1e-4); compiled once, with the length
-    symbolic from the start, later lengths recompile nothing."""
-    import torch._dynamo
+# ---- bad models: one error line, from the loader ----
 
-    def prefill(step, n: int) -> torch.Tensor:
-        cache = KVCache.for_model(model.args, 1, 64, torch.float32, "cpu")
-        return step(model, torch.arange(1, n + 1)[None], torch.arange(n), cache)
-
-    torch._dynamo.reset()
-    compiled = compile_decode(model, prefill=True)
-    for i, n in enumerate([5, 9, 23]):
-        with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            assert (prefill(compiled, n) - prefill(decode_one, n)).abs().max() <= 1e-4
+def test_missing_model_path(cli_error, tmp_path):
+    err = error_of(cli_error, ["--prompt", "hi", "--model", str(tmp_path / "missing.gguf")])
+    assert "does not exist" in err and "missing.gguf" in err
 
 
-def test_gemv_backend_only_for_single_row_cpu_steps(model):
-    from generate import gemv_backend
+def test_unsupported_architecture(cli_error, tiny_dir, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert "unsupported architecture 'GPTNeoXForCausalLM'" in error_of(cli_error, ["--prompt", "hi", "--model",
+                                                                                   str(folder)])
 
-    assert torch.backends.mkldnn.enabled
-    with gemv_backend(torch.tensor([[5]])):
-        assert not torch.backends.mkldnn.enabled  # one row: MKL's GEMV
-    assert torch.backends.mkldnn.enabled  # restored
-    with gemv_backend(torch.tensor([[5], [6]])):
-        assert torch.backends.mkldnn.enabled  # two rows: oneDNN stays
-    # Same logits whichever backend runs the bf16 matmuls (up to bf16 rounding of the accumulation order).
-    bf16 = hf_to_ours(make_hf("llama-gqa")).to(torch.bfloat16)
-    cache = KVCache.for_model(bf16.args, 1, 8, torch.bfloat16, "cpu")
-    bf16(torch.tensor([[1, 2, 3]]), torch.arange(3), cache)
-    token, pos = torch.tensor([[4]]), torch.tensor([3])
-    reference = bf16(token, pos, cache)[:, -1]  # oneDNN, torch's default
-    assert (decode_one(bf16, token, pos, cache) - reference).abs().max() <= 0.05 * reference.abs().max()
+
+def test_truncated_safetensors(cli_error, tiny_dir, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_dir, folder)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:1000])
+    assert "cannot read safetensors file" in error_of(cli_error, ["--prompt", "hi", "--model", str(folder)])
+
+
+def test_gguf_truncated_inside_its_metadata(cli_error, tmp_path, smollm2_gguf):
+    truncated = tmp_path / "truncated.gguf"
+    with open(smollm2_gguf, "rb") as f:
+        truncated.write_bytes(f.read(200_000))  # inside the vocabulary
+    assert "cannot read GGUF file" in error_of(cli_error, ["--model", str(truncated), "--prompt", "hi"])
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context(cli_error, smollm2_gguf):
+    err = error_of(cli_error, ["--model", smollm2_gguf, "--prompt", "hello " * 9000, "--quiet"])
+    assert "longer than the model's context of 8191" in err
+
+
+@pytest.mark.slow
+def test_draft_with_another_vocab(cli_error, tiny_dir, smollm2_gguf):
+    err = error_of(cli_error, ["--model", smollm2_gguf, "--draft-model", tiny_dir, "--prompt", "Hi", "--quiet"])
+    assert "vocab_size 160" in err and "49152" in err  # the tiny model's vocabulary, SmolLM2's
+
+
+@pytest.mark.slow
+def test_checkpoint_quantized_otherwise(cli_error, smollm2_int4_dir):
+    err = error_of(cli_error, ["--model", smollm2_int4_dir, "--quantize", "int4:32", "--prompt", "hi"])
+    assert "quantized as int4:64" in err and "requested int4:32" in err
+
+
+# ---- what a run prints ----
+
+def test_summary_and_logprobs_table(capsys):
+    c = Completion("<1><2>", [1, 2, 3], "length", prompt_tokens=4, prefilled=2,
+                   steps=[Token(1, -0.5, [(1, -0.5), (7, -1.25)]), Token(2, -0.25, [(2, -0.25)]), Token(3, -1.0, [])],
+                   ttft_s=0.25, total_s=1.25, second_s=0.75)
+    line = generate.summary(c)
+    assert line.startswith("prompt tokens 4 | prefilled 2 | generated tokens 3 | TTFT 250 ms | decode 2.0 tokens/s")
+    compiled = generate.summary(c, compiled=True)  # the first decode step is the compile: reported apart
+    assert "decode 2.0 tokens/s" in compiled and compiled.endswith("first decode step (compile) 0.5 s")
+    generate.print_logprobs(c, ToyTokenizer(), None)
+    assert capsys.readouterr().err == ""
+    generate.print_logprobs(c, ToyTokenizer(), 2)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and lines[0].split() == ["-0.5000", "'<1>'", "|", "'<1>'", "-0.5000", "'<7>'", "-1.2500"]
+
+
+# ---- real runs on SmolLM2, in-process ----
+
+@pytest.mark.slow
+def test_chat_generation_stops_at_end_of_turn(capsys, smollm2_gguf):
+    assert generate.main(["--model", smollm2_gguf, "--prompt", "What is the capital of France?", "--chat",
+                          "--temperature", "0", "--max-new-tokens", "64", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert "Paris" in out
+    assert "<|im_end|>" not in out and err == ""
+
+
+@pytest.mark.slow
+def test_prompts_file_with_json_stop_string_and_logprobs(capsys, tmp_path, smollm2_gguf):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is\n\nOnce upon a time, there was a\ndef add(a, b):\n1, 2, 3,\n")
+    assert generate.main(["--model", smollm2_gguf, *FLOAT32, "--prompts-file", str(prompts), "--temperature", "0",
+                          "--max-new-tokens", "8", "--stop", "\n\nThe answer", "--logprobs", "2", "--json"]) == 0
+    stdout, stderr = capsys.readouterr()
+    outs = [json.loads(line) for line in stdout.splitlines()]  # one JSON object per prompt, in order
+    assert len(outs) == 4  # the blank line is not a prompt
+    assert "prompts 4 | prompt tokens" in stderr.strip().splitlines()[-1]
+    out = outs[0]
+    assert out["text"] == " Paris." and out["finish_reason"] == "stop"
+    assert out["prompt_tokens"] == 5 and len(out["tokens"]) == 6  # up to ' answer', which completed the stop
+    assert {o["finish_reason"] for o in outs[1:]} <= {"length", "eos"}
+    for o in outs:
+        assert [lp["token"] for lp in o["logprobs"]] == o["tokens"]
+        for lp in o["logprobs"]:
+            assert len(lp["top"]) == 2 and lp["top"][0]["logprob"] >= lp["top"][1]["logprob"]
+            assert lp["top"][0]["token"] == lp["token"] and lp["top"][0]["logprob"] == lp["logprob"]  # greedy
+        assert set(o["timings"]) == {"ttft_ms", "total_ms", "decode_tokens_per_s"}
+
+
+@pytest.mark.slow
+def test_interactive_chat_prefills_only_the_new_turn(capsys, monkeypatch, smollm2_gguf):
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\nAnd of Germany?\n"))
+    assert generate.main(["--model", smollm2_gguf, "--chat", "--interactive", "--temperature", "0",
+                          "--max-new-tokens", "40"]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert "Paris" in stdout and "Berlin" in stdout
+    turns = [re.search(r"prompt tokens (\d+) \| prefilled (\d+)", line).groups()
+             for line in stderr.splitlines() if line.startswith("turn ")]
+    assert len(turns) == 2
+    (prompt1, prefilled1), (prompt2, prefilled2) = [tuple(map(int, t)) for t in turns]
+    assert prefilled1 == prompt1 and prefilled2 < 20 < prompt2
+
+
+@pytest.mark.slow
+def test_speculative_json_matches_plain_greedy(capsys, smollm2, smollm2_gguf):
+    model, tok = smollm2
+    prompt = "The capital of France is"
+    assert generate.main(["--model", smollm2_gguf, *FLOAT32, "--prompt", prompt, "--temperature", "0",
+                          "--max-new-tokens", "24", "--json", "--draft-quantize", "int4:32"]) == 0
+    out, err = capsys.readouterr()
+    tokens = json.loads(out)["tokens"]
+    assert tokens == greedy_ids(model, tok.encode(prompt), 24)[:len(tokens)]
+    assert "acceptance a=" in err and "tokens/verify" in err and "accepted per verify (accepted:verifies) " in err
+
+
+# ---- as a user runs it: a fresh process ----
+
+@pytest.mark.slow
+def test_readme_command_with_the_default_model():
+    result = run_py("generate.py", "--prompt", "The capital of France is", "--temperature", "0",
+                    "--max-new-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    summary = result.stderr.strip().splitlines()[-1]
+    for field in ("prompt tokens 5", "generated tokens 16", "TTFT", "decode", "tokens/s"):
+        assert field in summary
+
+
+@pytest.mark.slow
+def test_output_pipe_closed_early(smollm2_gguf):
+    """`generate.py ... | head -c 5`: the reader goes away mid-stream; one error line, no traceback."""
+    proc = subprocess.Popen([sys.executable, "generate.py", "--model", smollm2_gguf, "--prompt", "Count to fifty:",
+                             "--temperature", "0", "--max-new-tokens", "200", "--quiet"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    proc.stdout.read(5)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert err == "error: the output pipe was closed\n", err

@@ -1,17 +1,15 @@
-"""Checkpoint loading: Hugging Face folders (single and sharded safetensors), strictness, and the real GGUF."""
+"""Checkpoint loading: Hugging Face folders (single and sharded safetensors), strictness, quantized checkpoints,
+the real GGUF against transformers, and the peak memory of loading (float and quantize-at-load)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from load import load_model, unpermute_qk
-from tiny_models import PEAK_RSS, SEQ_LEN, make_hf
-
-torch.set_grad_enabled(False)
+from helpers import PEAK_RSS, run_py
+from load import load_model, read_quantization, unpermute_qk
+from tiny_models import SEQ_LEN, greedy_ids, make_hf
 
 
 def save_hf(name: str, folder, **kw):
@@ -122,21 +120,35 @@ def test_unpermute_inverts_llama_cpp_permute():
     assert torch.equal(unpermute_qk(permuted, 3), w)
 
 
+def test_read_quantization(tmp_path):
+    """The mode a quantized checkpoint records in its safetensors metadata; None for a float checkpoint."""
+    meta = {"quantization": "int4", "group_size": "64", "quantize_head": "true"}
+    save_file({"x": torch.zeros(2)}, tmp_path / "q.safetensors", metadata={"format": "pt", **meta})
+    save_file({"x": torch.zeros(2)}, tmp_path / "f.safetensors", metadata={"format": "pt"})
+    assert read_quantization(str(tmp_path / "q.safetensors")) == meta
+    assert read_quantization(str(tmp_path / "f.safetensors")) is None
+
+
+@pytest.mark.slow
+def test_loading_with_a_mismatched_mode(smollm2_int4_dir):
+    with pytest.raises(ValueError, match="quantized as int4:64 with the head; requested int8"):
+        load_model(smollm2_int4_dir, "cpu", torch.float32, quantize="int8")
+
+
 # --- the real model: SmolLM2-135M-Instruct Q4_1 GGUF, ours vs transformers' GGUF loader ---
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
+def smollm2_hf(smollm2_gguf):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(smollm2_gguf)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    ours, _ = load_model(smollm2_gguf, "cpu", torch.float32)
-    return hf, hf_tok, ours
+    return hf, AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
-def test_smollm2_logits_match_transformers(smollm2):
-    hf, hf_tok, ours = smollm2
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers(smollm2_hf, smollm2):
+    (hf, hf_tok), (ours, _) = smollm2_hf, smollm2
     text = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
             "combined movable metal type with an oil-based ink, a wooden screw press and a hand mould, "
             "and in a few decades printed books spread across Europe.")
@@ -146,31 +158,49 @@ def test_smollm2_logits_match_transformers(smollm2):
     assert (ours(ids, torch.arange(32), all_logits=True) - ref).abs().max() <= 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", ["The capital of France is", "def fibonacci(n):",
                                     "Once upon a time, in a small village,"])
-def test_smollm2_greedy_matches_transformers(smollm2, prompt):
-    from generate import generate
-
-    hf, hf_tok, ours = smollm2
+def test_smollm2_greedy_matches_transformers(smollm2_hf, smollm2, prompt):
+    (hf, hf_tok), (ours, _) = smollm2_hf, smollm2
     ids = hf_tok.encode(prompt)
     ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
                       min_new_tokens=32)[0, len(ids):].tolist()
-    assert list(generate(ours, ids, 32, temperature=0.0)) == ref
+    assert greedy_ids(ours, ids, 32) == ref
 
 
+def load_peak_rss(path: str, dtype: str, quantize: str | None = None) -> tuple[float, float, float]:
+    """(peak RSS growth, weight bytes, parameter bytes) of load_model(path, 'cpu', dtype, quantize=quantize) in a
+    fresh process ("none": a GGUF's quantized blocks dequantized to dtype). Parameter bytes count a tied head
+    once; weight bytes count a quantized module's buffers too."""
+    code = ("import sys, torch, gguf, numpy\n"
+            "from load import load_model\n"
+            "from quantize import weight_bytes\n"
+            f"{PEAK_RSS}\n"
+            "base = peak_rss()\n"
+            "quantize = (sys.argv[3:] or [None])[0]\n"
+            "model, _ = load_model(sys.argv[1], 'cpu', getattr(torch, sys.argv[2]), quantize=quantize)\n"
+            "print(peak_rss() - base, weight_bytes(model), sum(p.nbytes for p in model.parameters()))\n")
+    result = run_py("-c", code, path, dtype, *([quantize] if quantize else []))
+    assert result.returncode == 0, result.stderr
+    growth, weights, params = result.stdout.split()
+    return float(growth), float(weights), float(params)
+
+
+@pytest.mark.slow
 def test_smollm2_load_memory(smollm2_gguf):
     """Loading must not need more than ~2x the final weight bytes of RAM (peak RSS growth)."""
-    code = (
-        "import sys, torch, gguf, numpy\n"
-        "from load import load_model\n"
-        f"{PEAK_RSS}\n"
-        "base = peak_rss()\n"
-        "model, _ = load_model(sys.argv[1], 'cpu', torch.float32)\n"
-        "weights = sum(p.nbytes for p in model.parameters())\n"  # parameters() counts the tied head once
-        "print((peak_rss() - base) / weights)\n"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code, smollm2_gguf], cwd=root, capture_output=True, text=True,
-                         check=True)
-    ratio = float(out.stdout.strip())
+    growth, _, params = load_peak_rss(smollm2_gguf, "float32", "none")
+    ratio = growth / params
     assert ratio <= 2.0, f"peak RSS grew by {ratio:.2f}x the weight bytes"
+
+
+@pytest.mark.slow
+def test_int4_load_peak_memory_below_bf16(smollm2_gguf):
+    """Quantize-at-load never holds the float model: the int4 load's peak must undercut the bf16 load's by
+    most of the weight bytes it saves (~146 MB on SmolLM2)."""
+    bf16_peak, bf16_weights, _ = load_peak_rss(smollm2_gguf, "bfloat16", "none")
+    # int4:64, not the file's own int4:32 (which loads its codes as they are): every block is dequantized and
+    # requantized, one tensor at a time
+    int4_peak, int4_weights, _ = load_peak_rss(smollm2_gguf, "bfloat16", "int4:64")
+    assert int4_peak < bf16_peak - 0.6 * (bf16_weights - int4_weights), (int4_peak / 1e6, bf16_peak / 1e6)

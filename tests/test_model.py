@@ -6,8 +6,6 @@ from kvcache import KVCache
 from model import ModelArgs, Transformer, attention_mask
 from tiny_models import CONFIGS, SEQ_LEN, hf_to_ours, make_hf, reference_attention
 
-torch.set_grad_enabled(False)
-
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def pair(request):

@@ -9,19 +9,24 @@ PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
 LOGITS = PROBS.log()
 
 
+def t1(**kw) -> SamplingParams:
+    """Sampling at temperature 1 with the given filters."""
+    return SamplingParams(temperature=1.0, **kw)
+
+
 def test_temperature_zero_is_argmax():
     logits = torch.randn(5, 50)
-    assert torch.equal(sample(logits, temperature=0.0), logits.argmax(-1))
+    assert torch.equal(sample(logits, SamplingParams()), logits.argmax(-1))
 
 
 def test_temperature_scales_logits():
-    assert torch.allclose(logits_to_probs(LOGITS, 2.0), torch.softmax(LOGITS / 2.0, -1))
-    assert torch.allclose(logits_to_probs(LOGITS, 1.0), PROBS)
+    assert torch.allclose(logits_to_probs(LOGITS, SamplingParams(temperature=2.0)), torch.softmax(LOGITS / 2.0, -1))
+    assert torch.allclose(logits_to_probs(LOGITS, t1()), PROBS)
 
 
 def test_top_k():
-    assert torch.allclose(logits_to_probs(LOGITS, 1.0, top_k=2), torch.tensor([[0, 0.5 / 0.8, 0, 0.3 / 0.8]]))
-    assert torch.allclose(logits_to_probs(LOGITS, 1.0, top_k=10), PROBS)  # k >= V keeps everything
+    assert torch.allclose(logits_to_probs(LOGITS, t1(top_k=2)), torch.tensor([[0, 0.5 / 0.8, 0, 0.3 / 0.8]]))
+    assert torch.allclose(logits_to_probs(LOGITS, t1(top_k=10)), PROBS)  # k >= V keeps everything
 
 
 @pytest.mark.parametrize("top_p, expected", [
@@ -32,20 +37,20 @@ def test_top_k():
     (1.0, [0.05, 0.5, 0.15, 0.3]),
 ])
 def test_top_p(top_p, expected):
-    assert torch.allclose(logits_to_probs(LOGITS, 1.0, top_p=top_p), torch.tensor([expected]), atol=1e-6)
+    assert torch.allclose(logits_to_probs(LOGITS, t1(top_p=top_p)), torch.tensor([expected]), atol=1e-6)
 
 
 def test_order_temperature_then_top_k_then_top_p():
     # T=0.5 sharpens to [.0061, .6944, .0625, .25]/..., top-k 3 drops the smallest, top-p 0.75 keeps two.
-    probs = logits_to_probs(LOGITS, 0.5, top_k=3, top_p=0.75)
+    probs = logits_to_probs(LOGITS, SamplingParams(temperature=0.5, top_k=3, top_p=0.75))
     sharp = torch.softmax(LOGITS / 0.5, -1)[0]
     assert torch.allclose(probs[0], torch.tensor([0, sharp[1], 0, sharp[3]]) / (sharp[1] + sharp[3]))
 
 
 def test_seeded_draws_are_reproducible_and_follow_the_distribution():
     logits = LOGITS.expand(20000, 4)
-    a = sample(logits, 1.0, generator=torch.Generator().manual_seed(7))
-    b = sample(logits, 1.0, generator=torch.Generator().manual_seed(7))
+    a = sample(logits, t1(), torch.Generator().manual_seed(7))
+    b = sample(logits, t1(), torch.Generator().manual_seed(7))
     assert torch.equal(a, b)
     freq = torch.bincount(a, minlength=4) / 20000
     assert (freq - PROBS[0]).abs().max() < 0.015
@@ -69,26 +74,26 @@ def test_invalid_parameters(kwargs, message):
 
 def test_min_p():
     # min-p keeps tokens at least min_p times as likely as the most likely one (0.5 here), then renormalizes.
-    assert torch.allclose(logits_to_probs(LOGITS, 1.0, min_p=0.25), torch.tensor([[0, 0.5, 0.15, 0.3]]) / 0.95)
-    assert torch.allclose(logits_to_probs(LOGITS, 1.0, min_p=0.5), torch.tensor([[0, 0.5, 0, 0.3]]) / 0.8)
-    assert torch.allclose(logits_to_probs(LOGITS, 1.0, min_p=1.0), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
-    assert torch.allclose(logits_to_probs(LOGITS, 1.0, min_p=0.0), PROBS)
+    assert torch.allclose(logits_to_probs(LOGITS, t1(min_p=0.25)), torch.tensor([[0, 0.5, 0.15, 0.3]]) / 0.95)
+    assert torch.allclose(logits_to_probs(LOGITS, t1(min_p=0.5)), torch.tensor([[0, 0.5, 0, 0.3]]) / 0.8)
+    assert torch.allclose(logits_to_probs(LOGITS, t1(min_p=1.0)), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    assert torch.allclose(logits_to_probs(LOGITS, t1(min_p=0.0)), PROBS)
 
 
 def test_min_p_is_relative_to_the_tempered_distribution():
     # At T=0.5 the odds square: 0.15 vs 0.5 becomes 0.09 of the top, under min_p 0.2; 0.3 becomes 0.36, kept.
     sharp = torch.softmax(LOGITS / 0.5, -1)[0]
     expected = torch.tensor([0, sharp[1], 0, sharp[3]]) / (sharp[1] + sharp[3])
-    assert torch.allclose(logits_to_probs(LOGITS, 0.5, min_p=0.2)[0], expected)
+    assert torch.allclose(logits_to_probs(LOGITS, SamplingParams(temperature=0.5, min_p=0.2))[0], expected)
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.5]])
     seen = torch.tensor([[True, True, False, False]])
-    got = apply_penalties(logits, seen, torch.zeros(1, 4), repetition_penalty=2.0)
+    got = apply_penalties(logits, seen, torch.zeros(1, 4), SamplingParams(repetition_penalty=2.0))
     assert torch.equal(got, torch.tensor([[1.0, -2.0, 0.5, -0.5]]))
     # A penalty below 1 rewards repetition the same way round.
-    got = apply_penalties(logits, seen, torch.zeros(1, 4), repetition_penalty=0.5)
+    got = apply_penalties(logits, seen, torch.zeros(1, 4), SamplingParams(repetition_penalty=0.5))
     assert torch.equal(got, torch.tensor([[4.0, -0.5, 0.5, -0.5]]))
 
 
@@ -96,7 +101,7 @@ def test_presence_and_frequency_penalties_use_generated_counts():
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.5]])
     seen = torch.tensor([[True, True, True, True]])  # the repetition penalty is off: `seen` must not matter
     generated = torch.tensor([[0.0, 2.0, 1.0, 0.0]])
-    got = apply_penalties(logits, seen, generated, presence_penalty=0.5, frequency_penalty=0.25)
+    got = apply_penalties(logits, seen, generated, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
     # token 1: -1 - 0.5 - 2 * 0.25 = -2;  token 2: 0.5 - 0.5 - 0.25 = -0.25
     assert torch.equal(got, torch.tensor([[2.0, -2.0, -0.25, -0.5]]))
 
@@ -109,11 +114,12 @@ def test_token_counts():
 def test_sampled_logprobs():
     # Temperature 1 with nothing else: the model's own log_softmax; greedy reports that distribution too.
     logits = torch.randn(3, 50)
-    assert torch.allclose(sampled_logprobs(logits, 1.0), torch.log_softmax(logits, -1), atol=1e-6)
-    assert torch.allclose(sampled_logprobs(logits, 0.0, top_k=2), torch.log_softmax(logits, -1), atol=1e-6)
+    assert torch.allclose(sampled_logprobs(logits, t1()), torch.log_softmax(logits, -1), atol=1e-6)
+    greedy = SamplingParams(temperature=0.0, top_k=2)
+    assert torch.allclose(sampled_logprobs(logits, greedy), torch.log_softmax(logits, -1), atol=1e-6)
     # Otherwise the processed distribution, -inf where a token was removed.
-    assert torch.allclose(sampled_logprobs(LOGITS, 1.0, top_k=2).exp(), torch.tensor([[0, 0.5 / 0.8, 0, 0.3 / 0.8]]))
-    assert sampled_logprobs(LOGITS, 1.0, top_k=2)[0, 0] == float("-inf")
+    assert torch.allclose(sampled_logprobs(LOGITS, t1(top_k=2)).exp(), torch.tensor([[0, 0.5 / 0.8, 0, 0.3 / 0.8]]))
+    assert sampled_logprobs(LOGITS, t1(top_k=2))[0, 0] == float("-inf")
 
 
 def test_sampling_params_check_on_construction():
@@ -146,11 +152,11 @@ def test_every_accepted_value_samples_a_valid_token(kwargs):
     params = SamplingParams(**{"temperature": 0.8} | kwargs)
     logits = torch.tensor([[3.0, -2.0, 0.5, 3.0 - 1e-6, -80.0], [0.0, 1.0, -1.0, 0.5, 0.25]])  # (2, 5)
     seen = torch.tensor([[True, True, False, False, True], [True, False, False, False, False]])
-    penalized = apply_penalties(logits, seen, torch.zeros(2, 5), params.repetition_penalty)
-    probs = logits_to_probs(penalized, params.temperature, params.top_k, params.top_p, params.min_p)
+    penalized = apply_penalties(logits, seen, torch.zeros(2, 5), params)
+    probs = logits_to_probs(penalized, params)
     assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(2))
     g = torch.Generator().manual_seed(0)
-    tokens = sample(penalized, params.temperature, params.top_k, params.top_p, g, params.min_p)
+    tokens = sample(penalized, params, g)
     assert probs[torch.arange(2), tokens].gt(0).all()
     if params.temperature < 1e-30 or params.top_p < 1e-30:  # greedy in effect: the most likely token
         assert tokens.tolist() == penalized.argmax(-1).tolist()

@@ -1,24 +1,30 @@
 """serve.py as a client sees it: the official openai client against a real server process with the default
 offline model. Greedy answers equal generate.generate's, streams concatenate to the whole answer, bad requests get
-OpenAI-style 400s, and a client that goes away mid-generation has its request aborted and its KV blocks freed."""
+OpenAI-style 400s, and a client that goes away mid-generation has its request aborted and its KV blocks freed.
+
+The hostile cases (limits, auth, Host/Origin, malformed bodies, extreme sampling values) run against the app in
+this process (httpx's ASGI transport, the engine on a thread) where they can look at logs and inject faults; each
+ends by checking that the server still answers a greedy request exactly. Signals need a real process."""
 import asyncio
+import contextlib
 import json
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import torch
 
 import loadtest
+from decode import generate
 from engine import Engine, EngineConfig, Request
-from generate import generate
-from load import load_model
-from serve import make_app
-from tokenizer import load_tokenizer
+from serve import API_KEY_ENV, ServeConfig, engine_config, make_app, parse_args, serve_config
 
 try:
     import httpx2 as httpx  # the maintained HTTPX, which the openai client depends on
@@ -29,16 +35,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The capital of France is"
 LONG = "1, 2, 3, 4, 5, 6, 7, 8,"  # greedy counts on for hundreds of tokens: no EOS ends it early
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+LOCAL = "http://127.0.0.1:8000"  # the in-process app's base URL: a Host it answers
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_gguf):
-    """The base URL of `python serve.py` on a free loopback port, for the whole module."""
+def start_server(gguf: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`python serve.py` in float32 (as `reference`) on a free loopback port, once /health answers: (the process,
+    its base URL)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "serve.py", "--model", smollm2_gguf, "--port", str(port), "--quiet"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # One OpenMP thread: with the cores shared (pytest, other processes) two threads wait on each other at every
+    # op, and a token took a second instead of tens of milliseconds.
+    proc = subprocess.Popen([sys.executable, "serve.py", "--model", gguf, "--dtype", "float32", "--port", str(port),
+                             "--quiet", *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -46,16 +58,28 @@ def server(smollm2_gguf):
         assert time.monotonic() < deadline, "serve.py did not answer /health within 120 s"
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
+                return proc, url
         except httpx.TransportError:
             time.sleep(0.2)
-    yield url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
     proc.terminate()
     try:
-        proc.wait(timeout=20)
+        proc.wait(timeout=40)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf):
+    """The base URL of `python serve.py` on a free loopback port, for the whole module."""
+    proc, url = start_server(smollm2_gguf)
+    yield url
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +88,76 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_gguf):
+def reference(smollm2):
     """(model, tokenizer) in this process, float32 on CPU as the server loads them."""
-    model, path = load_model(smollm2_gguf, "cpu", torch.float32)
-    return model, load_tokenizer(path)
+    return smollm2
 
 
 def greedy_text(reference, prompt: list[int], n: int) -> tuple[str, int]:
-    """generate.generate's greedy text for `prompt` (up to an EOS, not included) and the tokens it sampled."""
+    """decode.generate's greedy text for `prompt` (up to an EOS, not included) and the tokens it sampled."""
     model, tokenizer = reference
-    tokens = list(generate(model, prompt, n, temperature=0.0, stop_ids=tokenizer.eos_ids))
+    tokens = [t.id for t in generate(model, prompt, n, stop_ids=tokenizer.eos_ids)]  # default params: greedy
     return tokenizer.decode([t for t in tokens if t not in tokenizer.eos_ids]), len(tokens)
+
+
+@pytest.fixture(scope="module")
+def greedy_8(reference) -> str:
+    """The greedy text for GREEDY: what every server must still answer after a failure case."""
+    text, n = greedy_text(reference, reference[1].encode(PROMPT), 8)
+    assert n == 8
+    return text
+
+
+def local_app(reference, tokenizer=None, **config):
+    """The app over a small pool of the reference model, in this process; tokenizer: one to serve with in place
+    of the model's own (a spy)."""
+    model, own = reference
+    engine = Engine(model, own, EngineConfig(num_blocks=64, max_running=4, token_budget=64))
+    return make_app(engine, tokenizer or own, "m", config=ServeConfig(**config))
+
+
+@contextlib.asynccontextmanager
+async def in_process(app):
+    """An httpx client of `app`, its engine thread running."""
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=LOCAL, timeout=60) as c:
+            yield c
+
+
+async def answers_exactly(c, want: str, headers: dict | None = None) -> None:
+    r = await c.post("/v1/completions", json=GREEDY, headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+
+
+def openai_error(r, status: int) -> dict:
+    """The error of an OpenAI-style error response with this status."""
+    assert r.status_code == status, r.text
+    assert set(r.json()) == {"error"} and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    return r.json()["error"]
+
+
+def statuses(metrics: str, endpoint: str) -> dict[int, int]:
+    """{status: count} of llm_http_requests_total for endpoint, from /metrics text."""
+    prefix = f'llm_http_requests_total{{endpoint="{endpoint}",status="'
+    return {int(line[len(prefix):].split('"')[0]): int(line.split()[-1])
+            for line in metrics.splitlines() if line.startswith(prefix)}
+
+
+class Spy:
+    """A tokenizer that records the length of every text it encodes and may block or fail doing it."""
+
+    def __init__(self, tokenizer, before_encode=None):
+        self.tokenizer, self.before_encode, self.encoded = tokenizer, before_encode, []
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def encode(self, text: str, bos: bool | None = None) -> list[int]:
+        self.encoded.append(len(text))
+        if self.before_encode is not None:
+            self.before_encode(text)
+        return self.tokenizer.encode(text, bos=bos)
 
 
 def engine_idle(server: str) -> dict:
@@ -222,7 +305,7 @@ def test_client_leaving_a_plain_request_aborts_it(server):
     assert aborted(server) == before + 1
 
 
-def test_full_queue_is_429(reference):
+def test_full_queue_is_429_with_retry_after(reference):
     """In process, with no engine thread: a queued request stays queued, so the next one finds the queue full."""
     model, tokenizer = reference
     engine = Engine(model, tokenizer, EngineConfig(num_blocks=8, max_waiting=1))
@@ -230,11 +313,12 @@ def test_full_queue_is_429(reference):
 
     async def post() -> httpx.Response:
         transport = httpx.ASGITransport(app=make_app(engine, tokenizer, "m"))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        async with httpx.AsyncClient(transport=transport, base_url=LOCAL) as c:
             return await c.post("/v1/completions", json={"prompt": PROMPT})
 
     r = asyncio.run(post())
-    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    assert openai_error(r, 429)["type"] == "rate_limit_error"
+    assert int(r.headers["Retry-After"]) >= 1
 
 
 def test_loadtest_against_the_server(server, tmp_path, capsys):
@@ -254,10 +338,24 @@ def test_loadtest_refuses_other_hosts(capsys):
     assert "not this machine" in capsys.readouterr().err
 
 
-def test_bad_flag_is_one_line():
-    r = subprocess.run([sys.executable, "serve.py", "--num-blocks", "0"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 1 and r.stderr.strip() == "error: --num-blocks must be >= 1, got 0", r.stderr
+@pytest.mark.parametrize("blocks", ["0", "1"])
+def test_pool_without_a_usable_block_is_one_line(blocks):
+    """Block 0 only pads block tables: a pool of 1 block would start a server that refuses everything."""
+    r = subprocess.run([sys.executable, "serve.py", "--num-blocks", blocks], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip() == f"error: --num-blocks must be >= 2 (block 0 only pads block tables), got {blocks}"
+
+
+def test_default_pool_holds_the_whole_context(server):
+    """--num-blocks auto: one sequence of the model's whole context fits (SmolLM2: 8192 positions; the old fixed
+    512 blocks held 8176), and small contexts keep EngineConfig's default."""
+    assert httpx.get(f"{server}/health").json()["engine"]["blocks_total"] * 16 >= 8192  # blocks_total: usable
+    for context in (8192, 8193, 131072, 256):
+        config = engine_config(parse_args([]), context)
+        assert (config.num_blocks - 1) * config.block_size >= context  # block 0 is padding
+        assert config.num_blocks >= EngineConfig.num_blocks
+    assert engine_config(parse_args(["--num-blocks", "40"]), 8192).num_blocks == 40
 
 
 def test_port_in_use_is_one_line(server):
@@ -265,3 +363,359 @@ def test_port_in_use_is_one_line(server):
     r = subprocess.run([sys.executable, "serve.py", "--port", port], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 1 and r.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+# ---- hostile cases ----
+
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-38}, {"top_p": 1e-300}, {"repetition_penalty": 1e-300}])
+def test_extreme_sampling_values_leave_the_server_exact(reference, greedy_8, extreme):
+    """Values that overflowed float32 sampling and killed the engine thread: a 400 or a valid completion, and the
+    server then answers a greedy request exactly. (The fix is in sample.py/engine.py.)"""
+    async def scenario():
+        async with in_process(local_app(reference)) as c:
+            await answers_exactly(c, greedy_8)
+            r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, **extreme})
+            if r.status_code == 400:
+                openai_error(r, 400)
+            else:
+                assert r.status_code == 200, r.text
+                out = r.json()
+                assert isinstance(out["choices"][0]["text"], str) and out["usage"]["completion_tokens"] >= 1
+                assert out["choices"][0]["finish_reason"] in ("stop", "length")
+            await answers_exactly(c, greedy_8)
+            assert (await c.get("/health")).json()["status"] == "ok"
+
+    asyncio.run(scenario())
+
+
+def test_body_over_the_limit_is_413(reference, greedy_8):
+    """A declared Content-Length over --max-body-bytes is refused before a byte is read; a chunked body (no
+    Content-Length) is counted as it arrives."""
+    read = []
+
+    async def body(n_chunks: int):
+        for _ in range(n_chunks):
+            read.append(1)
+            yield b" " * 600
+
+    async def scenario():
+        async with in_process(local_app(reference, max_body_bytes=1000)) as c:
+            json_type = {"content-type": "application/json"}
+            r = await c.post("/v1/completions", content=body(4), headers={**json_type, "content-length": "2400"})
+            assert "over the limit of 1000" in openai_error(r, 413)["message"] and read == []
+            r = await c.post("/v1/completions", content=body(4), headers=json_type)  # chunked
+            assert "transfer-encoding" in r.request.headers
+            assert "over the limit of 1000" in openai_error(r, 413)["message"] and len(read) == 2
+            await answers_exactly(c, greedy_8)
+
+    asyncio.run(scenario())
+
+
+def test_body_over_the_limit_on_a_real_server_is_413(server, client, greedy_8):
+    """Through uvicorn: the client gets the 413 (not a reset connection) and the server answers on."""
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "x" * 5_000_000}, timeout=60)
+    assert "over the limit" in openai_error(r, 413)["message"]
+    assert client.completions.create(model="any", **GREEDY).choices[0].text == greedy_8
+
+
+def test_prompt_too_long_for_the_context_is_never_tokenized(reference, greedy_8):
+    """A prompt text longer than (positions - 1) * the longest token is refused on its length: megabytes are not
+    tokenized. Under the bound it is tokenized and refused by its token count (here: by the small pool's)."""
+    spy = Spy(reference[1])
+    app = local_app(reference, spy)
+    max_chars = app.state.server.max_chars
+    assert max_chars == (63 * 16 - 1) * 81  # 63 usable blocks of 16; SmolLM2's longest token is 81 characters
+
+    async def scenario():
+        async with in_process(app) as c:
+            for path, body in [("/v1/completions", {"prompt": "a" * (max_chars + 1)}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * max_chars}]})]:
+                r = await c.post(path, json=body)
+                assert "longer than the context" in openai_error(r, 400)["message"]
+                assert spy.encoded == []
+            r = await c.post("/v1/completions", json={"prompt": "a " * 1100, "max_tokens": 1})  # 1,101 tokens
+            assert "KV blocks" in openai_error(r, 400)["message"] and spy.encoded == [2200]
+            await answers_exactly(c, greedy_8)
+
+    asyncio.run(scenario())
+
+
+def test_tokenizing_runs_off_the_event_loop(reference, greedy_8):
+    """While a prompt is being tokenized, /health answers (it waited 132 s behind a 50 MB prompt)."""
+    health_answered = threading.Event()
+    waited = []
+    spy = Spy(reference[1], before_encode=lambda text: waited.append(health_answered.wait(timeout=10)))
+
+    async def scenario():
+        async with in_process(local_app(reference, spy)) as c:
+            async def health():
+                await asyncio.sleep(0.2)  # the completion is being tokenized by now
+                r = await c.get("/health")
+                health_answered.set()
+                return r
+
+            completion, health = await asyncio.gather(c.post("/v1/completions", json=GREEDY), health())
+            assert health.status_code == 200 and waited[0], "/health waited for the tokenizer"
+            assert completion.json()["choices"][0]["text"] == greedy_8
+
+    asyncio.run(scenario())
+
+
+def test_api_key_with_the_openai_client(reference, greedy_8):
+    """--api-key: the openai client's api_key is its Bearer token; a wrong or missing key is a 401
+    (openai.AuthenticationError); /health and /metrics stay open."""
+    async def scenario():
+        app = local_app(reference, api_key="s3cret")
+        async with in_process(app) as c:
+            def client(key: str) -> openai.AsyncOpenAI:
+                return openai.AsyncOpenAI(base_url=f"{LOCAL}/v1", api_key=key, max_retries=0, http_client=c)
+
+            r = await client("s3cret").completions.create(model="any", **GREEDY)
+            assert r.choices[0].text == greedy_8
+            with pytest.raises(openai.AuthenticationError) as e:
+                await client("wrong").completions.create(model="any", **GREEDY)
+            assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+            with pytest.raises(openai.AuthenticationError):
+                await client("s3cret-and-more").models.list()
+            assert openai_error(await c.post("/v1/chat/completions", json={"messages": CHAT}), 401)
+            assert (await c.get("/health")).status_code == 200 and (await c.get("/metrics")).status_code == 200
+            await answers_exactly(c, greedy_8, headers={"Authorization": "Bearer s3cret"})
+
+    asyncio.run(scenario())
+
+
+def test_api_key_and_hosts_from_the_command_line(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert serve_config(parse_args([])).api_key == "from-env"
+    assert serve_config(parse_args(["--api-key", "flag"])).api_key == "flag"
+    monkeypatch.delenv(API_KEY_ENV)
+    assert serve_config(parse_args([])).api_key is None
+    hosts = serve_config(parse_args(["--host", "::1", "--allowed-hosts", "Example.COM"])).hosts
+    assert hosts == ("localhost", "127.0.0.1", "[::1]", "example.com")
+    assert "0.0.0.0" not in serve_config(parse_args(["--host", "0.0.0.0"])).hosts
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_non_json_post_is_415(reference, content_type):
+    """What a web page can POST without a CORS preflight (a form, text/plain, no type) is refused."""
+    async def scenario():
+        async with in_process(local_app(reference)) as c:
+            headers = {} if content_type is None else {"content-type": content_type}
+            r = await c.post("/v1/completions", content=json.dumps(GREEDY).encode(), headers=headers)
+            assert "application/json" in openai_error(r, 415)["message"]
+            r = await c.post("/v1/completions", content=json.dumps(GREEDY).encode(),
+                             headers={"content-type": "application/json; charset=utf-8"})
+            assert r.status_code == 200
+
+    asyncio.run(scenario())
+
+
+def test_host_and_origin_checks(reference, greedy_8):
+    """DNS rebinding (a foreign Host) and cross-origin browser requests (a foreign Origin) are refused, on every
+    path; --allowed-hosts adds names."""
+    async def scenario():
+        async with in_process(local_app(reference, hosts=("localhost", "127.0.0.1", "[::1]", "llm.lan"))) as c:
+            for path in ("/v1/completions", "/health", "/metrics"):
+                r = await c.request("POST" if path.startswith("/v1") else "GET", path, json=GREEDY,
+                                    headers={"host": "evil.example:8000"})
+                assert "evil.example" in openai_error(r, 400)["message"]
+                r = await c.request("POST" if path.startswith("/v1") else "GET", path, json=GREEDY,
+                                    headers={"origin": "http://evil.example"})
+                assert "cross-origin" in openai_error(r, 403)["message"]
+            for host in ("localhost:8000", "[::1]:8000", "LLM.lan"):
+                assert (await c.get("/health", headers={"host": host})).status_code == 200, host
+            r = await c.post("/v1/completions", json=GREEDY, headers={"origin": LOCAL})  # its own origin
+            assert r.json()["choices"][0]["text"] == greedy_8
+            r = await c.post("/v1/completions", json=GREEDY, headers={"origin": "null"})  # a sandboxed page
+            openai_error(r, 403)
+            await answers_exactly(c, greedy_8)
+        async with in_process(local_app(reference, hosts=("*",))) as c:
+            assert (await c.get("/health", headers={"host": "anything:1"})).status_code == 200
+
+    asyncio.run(scenario())
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"prompt": "\\ud800"}', "prompt"),
+    (b'{"prompt": "ok \\udfff"}', "prompt"),
+    (b'{"prompt": "hi", "stop": ["\\ud800"]}', "stop"),
+    (b'{"prompt": "hi", "\\ud800": 1}', None),
+    (b'{"messages": [{"role": "user", "content": "\\udbff"}]}', "messages"),
+    (b"[" * DEEP + b"]" * DEEP, None),
+    (b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}", None),
+    (b'{"prompt": "hi", "n": ' + b"[" * 990 + b"]" * 990 + b"}", None),  # parses; quoting it in a message recursed
+])
+def test_lone_surrogates_and_deep_nesting_are_400(reference, greedy_8, caplog, body, param):
+    """Valid JSON that used to be a plain-text 500 with a traceback: a 400 in OpenAI's format, counted, no
+    traceback logged, and the server answers on."""
+    chat = b"messages" in body
+
+    async def scenario():
+        async with in_process(local_app(reference)) as c:
+            r = await c.post("/v1/chat/completions" if chat else "/v1/completions", content=body,
+                             headers={"content-type": "application/json"})
+            error = openai_error(r, 400)
+            assert error["param"] == param and error["type"] == "invalid_request_error"
+            await answers_exactly(c, greedy_8)
+            endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+            assert statuses((await c.get("/metrics")).text, endpoint)[400] == 1
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(scenario())
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
+def test_every_status_is_counted_and_an_exception_is_a_json_500(reference, greedy_8, caplog):
+    """An unexpected exception (here the tokenizer's) becomes a 500 in OpenAI's format and one log line; /metrics
+    counts every status, and unknown paths under one label."""
+    def fail_once(text: str) -> None:
+        if text == "boom":
+            raise RuntimeError("the tokenizer broke")
+
+    async def scenario():
+        async with in_process(local_app(reference, Spy(reference[1], fail_once), max_body_bytes=10_000)) as c:
+            r = await c.post("/v1/completions", json={"prompt": "boom"})
+            assert openai_error(r, 500)["type"] == "server_error"
+            openai_error(await c.post("/v1/completions", json={"prompt": 5}), 400)
+            openai_error(await c.post("/v1/completions", content=b"{}"), 415)
+            openai_error(await c.post("/v1/completions", json={"prompt": "x" * 20_000}), 413)
+            openai_error(await c.get("/v1/completions"), 405)
+            openai_error(await c.get("/no/such/path"), 404)
+            openai_error(await c.get("/another/one"), 404)
+            await answers_exactly(c, greedy_8)
+            metrics = (await c.get("/metrics")).text
+            assert statuses(metrics, "/v1/completions") == {200: 1, 400: 1, 405: 1, 413: 1, 415: 1, 500: 1}
+            assert statuses(metrics, "other") == {404: 2}
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(scenario())
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        "POST /v1/completions failed: RuntimeError: the tokenizer broke"]
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_abandoned_upload_logs_no_traceback(reference, greedy_8, caplog):
+    """A client that goes away mid-body: nothing to answer, nothing raised, no traceback; counted as 499."""
+    app = local_app(reference)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
+                         (b"content-length", b"100")], "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+    messages = [{"type": "http.request", "body": b'{"prompt": "hi', "more_body": True}, {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    async def scenario():
+        async with in_process(app) as c:
+            await app(scope, receive, send)
+            assert sent == []
+            assert statuses((await c.get("/metrics")).text, "/v1/completions") == {499: 1}
+            await answers_exactly(c, greedy_8)
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(scenario())
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_slow_body_is_408(reference, greedy_8):
+    """A body that does not arrive within the read timeout is refused, and the connection closed."""
+    async def trickle():
+        yield b'{"prompt": '
+        await asyncio.sleep(30)
+        yield b'"hi"}'
+
+    async def scenario():
+        async with in_process(local_app(reference, body_timeout_s=0.3)) as c:
+            r = await c.post("/v1/completions", content=trickle(), headers={"content-type": "application/json"})
+            assert "did not arrive within 0.3 s" in openai_error(r, 408)["message"]
+            assert r.headers["connection"] == "close"
+            await answers_exactly(c, greedy_8)
+
+    asyncio.run(scenario())
+
+
+def sse_data(url: str, body: dict, first: threading.Event) -> list[str]:
+    """The data: payloads of a streamed completion; sets `first` at the first one."""
+    out = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[len("data: "):])
+                first.set()
+    return out
+
+
+def start_streams(url: str, pool: ThreadPoolExecutor) -> list:
+    """A short stream (16 tokens) and a long one (4000: minutes) running, both past their first chunk."""
+    short = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True}
+    long = {"prompt": LONG, "max_tokens": 4000, "temperature": 0, "stream": True}
+    firsts = [threading.Event(), threading.Event()]
+    streams = [pool.submit(sse_data, url, body, first) for body, first in zip((short, long), firsts)]
+    assert all(first.wait(120) for first in firsts)
+    return streams
+
+
+def assert_draining(url: str) -> None:
+    """Once the signal is handled (on the event loop): /health says draining and new requests get 503."""
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/health").status_code == 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert httpx.get(f"{url}/health").json()["status"] == "draining"
+    assert openai_error(httpx.post(f"{url}/v1/completions", json=GREEDY), 503)["message"] == \
+        "the server is shutting down"
+
+
+def assert_exit_0(proc: subprocess.Popen, finished: list[str], ended: list[str]) -> None:
+    """serve.py exited 0 without a traceback; `finished` ran to its end, `ended` got the error event."""
+    assert proc.wait(timeout=60) == 0
+    output = proc.stdout.read()
+    assert "Traceback" not in output, output
+    assert finished[-1] == "[DONE]" and json.loads(finished[-2])["choices"][0]["finish_reason"] == "length"
+    assert ended[-1] == "[DONE]" and "error" not in "".join(finished)
+    assert json.loads(ended[-2]) == {"error": {"message": "the server is shutting down", "type": "server_error",
+                                               "param": None, "code": None}}
+
+
+@pytest.mark.slow
+def test_sigterm_drains_then_exits_0(smollm2_gguf):
+    """SIGTERM: new requests get 503, the running stream that can finish within --shutdown-timeout does, the one
+    that cannot ends with an error event and [DONE], and serve.py exits 0 without a traceback."""
+    proc, url = start_server(smollm2_gguf, "--shutdown-timeout", "10")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            streams = start_streams(url, pool)
+            proc.send_signal(signal.SIGTERM)
+            assert_draining(url)
+            finished, ended = (s.result(timeout=120) for s in streams)
+        assert_exit_0(proc, finished, ended)
+    finally:
+        stop_server(proc)
+
+
+@pytest.mark.slow
+def test_sigint_drains_and_a_second_one_ends_the_rest(smollm2_gguf):
+    """SIGINT (Ctrl-C) drains as SIGTERM does, without a KeyboardInterrupt traceback; a second one ends the
+    requests still running at once, well before --shutdown-timeout."""
+    proc, url = start_server(smollm2_gguf, "--shutdown-timeout", "600")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            streams = start_streams(url, pool)
+            proc.send_signal(signal.SIGINT)
+            assert_draining(url)
+            finished = streams[0].result(timeout=120)
+            proc.send_signal(signal.SIGINT)
+            ended = streams[1].result(timeout=120)
+        assert_exit_0(proc, finished, ended)
+    finally:
+        stop_server(proc)

@@ -6,16 +6,16 @@ import os
 import pytest
 import torch
 
-from generate import generate, main
+import speculative
+from decode import eager_step, make_step
+from helpers import ROOT
 from model import ModelArgs, Transformer
+from quantize import quantize_model
 from sample import SamplingParams, logits_to_probs
-from speculative import ModelDraft, PromptLookupDraft, SpecStats, speculative_steps, verify
-from tiny_models import hf_to_ours, make_hf
-
-torch.set_grad_enabled(False)
+from speculative import ModelDraft, PromptLookupDraft, SpecStats, verify
+from tiny_models import greedy_ids, hf_to_ours, make_hf
 
 TRIALS = 200_000
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def simulate(p_rows: torch.Tensor, propose, K: int, positions: int, generator: torch.Generator) -> torch.Tensor:
@@ -50,12 +50,13 @@ def tv(tokens: torch.Tensor, p: torch.Tensor) -> float:
 PARAMS = SamplingParams(temperature=0.8, top_k=7, top_p=0.9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["poor", "good", "lookup"])
 def test_speculative_sampling_is_lossless(draft):
     g = torch.Generator().manual_seed(0)
     K, V, L, positions = 4, 10, 12, 6
     p_logits = torch.randn(L, V, generator=g) * 2
-    p_rows = logits_to_probs(p_logits, PARAMS.temperature, PARAMS.top_k, PARAMS.top_p)  # (L, V) the target
+    p_rows = logits_to_probs(p_logits, PARAMS)  # (L, V) the target
     if draft == "lookup":
         # A deterministic proposal per position (likely and unlikely tokens alike), q one-hot.
         fixed = torch.randint(0, V, (L + K,), generator=g)
@@ -67,7 +68,7 @@ def test_speculative_sampling_is_lossless(draft):
         noise = 3.0 if draft == "poor" else 0.3
         q_logits = (torch.randn(L, V, generator=g) * 2 if draft == "poor" else p_logits) + \
             noise * torch.randn(L, V, generator=g)
-        q_all = logits_to_probs(q_logits, PARAMS.temperature, PARAMS.top_k, PARAMS.top_p)  # (L, V)
+        q_all = logits_to_probs(q_logits, PARAMS)  # (L, V)
         q_all = torch.cat([q_all, q_all[-1:].expand(K, V)])  # (L + K, V) positions past L reuse the last row
 
         def propose(s):
@@ -100,51 +101,64 @@ def test_verify_edge_cases():
     assert n.item() == 1 and nxt.item() in (0, 1)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return hf_to_ours(make_hf("llama-gqa", seed=0))
+def spec_ids(target, draft, prompt, n, params=SamplingParams(), generator=None, **kw) -> list[int]:
+    """The token ids of speculative.generate; kw as it takes them (stop_ids, k, stats, step)."""
+    return [t.id for t in speculative.generate(target, draft, prompt, n, params, generator, **kw)]
 
 
-def greedy(model, prompt, n):
-    return list(generate(model, prompt, n))
-
-
-def tiny_drafts(target):
-    from quantize import quantize_model
-
+def tiny_drafts(target, step=eager_step):
+    """Every draft source, on the tiny target: another random model, the target quantized, prompt lookup."""
     return {
-        "other-seed": ModelDraft(hf_to_ours(make_hf("llama-gqa", seed=1)), target),
-        "int4-self": ModelDraft(quantize_model(copy.deepcopy(target), "int4:32"), target),
+        "other-seed": ModelDraft(hf_to_ours(make_hf("llama-gqa", seed=1)), target, step),
+        "int4-self": ModelDraft(quantize_model(copy.deepcopy(target), "int4:32"), target, step),
         "lookup": PromptLookupDraft(),
     }
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_greedy_matches_plain_greedy_tiny(target, k):
+def test_greedy_matches_plain_greedy_tiny(tiny, k):
     prompt = [5, 17, 42, 99, 3, 5, 17, 42, 7]
-    want = greedy(target, prompt, 48)
-    for name, draft in tiny_drafts(target).items():
+    want = greedy_ids(tiny, prompt, 48)
+    for name, draft in tiny_drafts(tiny).items():
         stats = SpecStats(k)
-        got = [s.token for s in speculative_steps(target, draft, prompt, 48, k=k, stats=stats)]
-        assert got == want, name
+        tokens = list(speculative.generate(tiny, draft, prompt, 48, k=k, stats=stats))
+        assert [t.id for t in tokens] == want, name
+        assert [t.end for t in tokens] == [None] * 47 + ["length"], name  # the same end rule as decode.generate
         if name == "other-seed":  # a different random model: rejections happen, so rollback is exercised
             assert any(a < p for p, a in stats.rounds)
 
 
-def test_stop_ids_and_context_limit(target):
+@pytest.mark.slow
+def test_compiled_greedy_matches_plain_greedy_tiny(tiny):
+    """One decode-step policy for every path: speculative decoding with the compiled step (target and draft)
+    gives plain greedy's tokens."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    step = make_step(tiny, compile=True)
+    prompt = [5, 17, 42, 99, 3, 5, 17, 42, 7]
+    want = greedy_ids(tiny, prompt, 32)
+    for name, draft in tiny_drafts(tiny, step).items():
+        stats = SpecStats(4)
+        assert spec_ids(tiny, draft, prompt, 32, k=4, stats=stats, step=step) == want, name
+        assert len(stats.rounds) < 32, name  # drafts were accepted: verifies of several tokens were compiled too
+
+
+def test_stop_ids_and_context_limit(tiny):
     prompt = [5, 17, 42, 99, 3]
-    full = greedy(target, prompt, 40)
+    full = greedy_ids(tiny, prompt, 40)
     stop = full[10]
-    draft = ModelDraft(hf_to_ours(make_hf("llama-gqa", seed=1)), target)
-    got = [s.token for s in speculative_steps(target, draft, prompt, 40, stop_ids=[stop])]
-    assert got == full[: full.index(stop) + 1]
+    draft = ModelDraft(hf_to_ours(make_hf("llama-gqa", seed=1)), tiny)
+    tokens = list(speculative.generate(tiny, draft, prompt, 40, stop_ids=[stop]))
+    assert [t.id for t in tokens] == full[: full.index(stop) + 1] and tokens[-1].end == "eos"
     long_prompt = list(range(1, 151)) + list(range(1, 101))  # 250 of a 256 context
-    want = greedy(target, long_prompt, 50)
-    for draft in tiny_drafts(target).values():
-        assert [s.token for s in speculative_steps(target, draft, long_prompt, 50, k=4)] == want
+    want = greedy_ids(tiny, long_prompt, 50)
+    for draft in tiny_drafts(tiny).values():
+        assert spec_ids(tiny, draft, long_prompt, 50, k=4) == want
 
 
-def test_rollback_leaves_the_target_cache_exact(target):
+def test_rollback_leaves_the_target_cache_exact(tiny):
+    target = copy.deepcopy(tiny)  # its forward is spied on
     prompt = [5, 17, 42, 99, 3]
     draft = ModelDraft(hf_to_ours(make_hf("llama-gqa", seed=1)), target)
     stats = SpecStats(4)
@@ -159,8 +173,7 @@ def test_rollback_leaves_the_target_cache_exact(target):
     target.forward = spy
     try:
         params = SamplingParams(temperature=1.0)
-        out = [s.token for s in speculative_steps(target, draft, prompt, 40, params, torch.Generator().manual_seed(0),
-                                                  k=4, stats=stats)]
+        out = spec_ids(target, draft, prompt, 40, params, torch.Generator().manual_seed(0), k=4, stats=stats)
     finally:
         del target.forward
     assert any(a < p for p, a in stats.rounds)  # rejections happened
@@ -171,21 +184,21 @@ def test_rollback_leaves_the_target_cache_exact(target):
     assert (cached - full).abs().max().item() <= 1e-4
 
 
-def test_sampling_runs_with_every_draft(target):
+def test_sampling_runs_with_every_draft(tiny):
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, min_p=0.01)
-    for name, draft in tiny_drafts(target).items():
-        out = list(speculative_steps(target, draft, [5, 17, 42, 5, 17], 30, params, torch.Generator().manual_seed(1)))
+    for name, draft in tiny_drafts(tiny).items():
+        out = spec_ids(tiny, draft, [5, 17, 42, 5, 17], 30, params, torch.Generator().manual_seed(1))
         assert len(out) == 30, name
 
 
-def test_bad_input(target):
+def test_bad_input(tiny):
     small = Transformer(ModelArgs(vocab_size=100, dim=64, n_layers=1, n_heads=4, hidden_dim=64))
     with pytest.raises(ValueError, match="vocab_size 100"):
-        ModelDraft(small, target)
+        ModelDraft(small, tiny)
     with pytest.raises(ValueError, match="k must be >= 1, got 0"):
-        list(speculative_steps(target, PromptLookupDraft(), [1, 2, 3], 5, k=0))
+        spec_ids(tiny, PromptLookupDraft(), [1, 2, 3], 5, k=0)
     with pytest.raises(ValueError, match="not supported with speculative decoding"):
-        list(speculative_steps(target, PromptLookupDraft(), [1, 2, 3], 5, SamplingParams(repetition_penalty=1.2)))
+        spec_ids(tiny, PromptLookupDraft(), [1, 2, 3], 5, SamplingParams(repetition_penalty=1.2))
 
 
 def test_prompt_lookup_proposes_the_latest_match():
@@ -195,36 +208,8 @@ def test_prompt_lookup_proposes_the_latest_match():
     assert d.propose([4, 5, 6], 3, SamplingParams(), None)[0] == []
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--prompt-lookup", "--speculate-k", "0"], "--speculate-k must be >= 1, got 0"),
-    (["--prompt-lookup", "--repetition-penalty", "1.2"], "not supported with speculative decoding"),
-])
-def test_cli_errors(capsys, args, fragment):
-    assert main(["--prompt", "Hi", *args]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and fragment in err[0]
-
-
-def test_cli_draft_with_another_vocab(capsys, tmp_path, smollm2_gguf):
-    make_hf("llama-gqa").save_pretrained(tmp_path)  # vocab 160, SmolLM2's is 49152
-    capsys.readouterr()  # drop save_pretrained's progress bars
-    assert main(["--model", smollm2_gguf, "--draft-model", str(tmp_path), "--prompt", "Hi", "--quiet"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "vocab_size 160" in err[0] and "49152" in err[0]
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_gguf):
-    from load import load_model
-    from tokenizer import load_tokenizer
-
-    model, path = load_model(smollm2_gguf, "cpu", torch.float32)
-    return model.eval(), load_tokenizer(path)
-
-
+@pytest.mark.slow
 def test_greedy_matches_plain_greedy_smollm2(smollm2):
-    from quantize import quantize_model
-
     model, tok = smollm2
     chat = lambda text: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), bos=False)
     with open(os.path.join(ROOT, "data", "pride_and_prejudice_ch1-2.txt"), encoding="utf-8") as f:
@@ -239,29 +224,15 @@ def test_greedy_matches_plain_greedy_smollm2(smollm2):
         rejected, per_verify = False, []
         for prompt in prompts[name]:
             stats = SpecStats(4)
-            got = [s.token for s in speculative_steps(model, draft, prompt, 64, stats=stats)]
-            assert got == greedy(model, prompt, 64), name
+            got = spec_ids(model, draft, prompt, 64, stats=stats)
+            assert got == greedy_ids(model, prompt, 64), name
             rejected |= any(a < p for p, a in stats.rounds)
             per_verify.append(stats.tokens_per_verify)
         assert rejected, name
         assert per_verify[0] > 1.4, (name, per_verify)  # the self-draft, and lookup on a repeat task, pay
 
 
-def test_cli_speculative_json_matches_plain_greedy(capsys, smollm2, smollm2_gguf):
-    import json
-
-    model, tok = smollm2
-    prompt = "The capital of France is"
-    assert main(["--model", smollm2_gguf, "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "24",
-                 "--json", "--draft-quantize", "int4:32"]) == 0
-    out, err = capsys.readouterr()
-    assert json.loads(out)["tokens"] == greedy(model, tok.encode(prompt), 24)[:len(json.loads(out)["tokens"])]
-    assert "acceptance a=" in err and "tokens/verify" in err and "accepted per verify (accepted:verifies) " in err
-
-
 def test_stats_report_stays_one_short_line_for_a_huge_k():
-    from speculative import SpecStats
-
     stats = SpecStats(100_000, rounds=[(100_000, 3), (100_000, 0), (5, 5)])
     line = stats.report()
     assert "\n" not in line and len(line) < 400 and "0:1 3:1 5:1" in line

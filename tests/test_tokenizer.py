@@ -130,8 +130,9 @@ def sentencepiece_proto(meta):
 # ---- fixtures: each tokenizer is built once per module ----
 
 @pytest.fixture(scope="module")
-def smollm(smollm2_gguf):
-    return load_tokenizer(smollm2_gguf)
+def smollm(smollm2_tokenizer):
+    """The SmolLM2 GGUF's tokenizer (conftest's, loaded once per session)."""
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,20 @@
 """Tensor parallelism on CPU with gloo: N processes, each loading only its slices, against one process."""
+import copy
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import quantize as q
 import tp
-from generate import generate
+from helpers import run_py
 from load import load_model
-from tiny_models import make_hf
+from model import ModelArgs
+from tiny_models import greedy_ids
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = [5, 17, 42, 99, 3, 64, 8]
 N_NEW = 24
 
@@ -35,7 +35,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, qua
         tp.install(model)
         with torch.no_grad():
             logits = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), all_logits=True)[0]
-            tokens = list(generate(model, PROMPT, N_NEW))
+            tokens = greedy_ids(model, PROMPT, N_NEW)
         local_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         torch.save({"logits": logits, "tokens": tokens, "shapes": local_shapes},
                    os.path.join(out_dir, f"rank{rank}.pt"))
@@ -49,22 +49,14 @@ def run_tp(world: int, model_dir: str, out_dir: str, quantize: str | None = None
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """llama-gqa: 4 query heads, 2 kv heads of dim 24, MLP width 112; saved as a safetensors folder."""
-    path = tmp_path_factory.mktemp("tiny") / "llama-gqa"
-    make_hf("llama-gqa").save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def single(tiny_dir):
+    """llama-gqa (4 query heads, 2 kv heads of dim 24, MLP width 112) in one process: logits and greedy tokens."""
     model, _ = load_model(tiny_dir, "cpu", torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), all_logits=True)[0]
-        tokens = list(generate(model, PROMPT, N_NEW))
-    return model, logits, tokens
+    logits = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), all_logits=True)[0]
+    return model, logits, greedy_ids(model, PROMPT, N_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])  # 2: the 2 kv heads split; 4: each kv head replicated on 2 ranks
 def test_tp_logits_and_greedy_match_one_process(tiny_dir, single, tmp_path, world):
     _, logits, tokens = single
@@ -80,25 +72,19 @@ def test_tp_logits_and_greedy_match_one_process(tiny_dir, single, tmp_path, worl
     assert shapes["layers.0.mlp.down_proj.weight"] == (64, 112 // world)
 
 
+@pytest.mark.slow
 def test_tp_int8(tiny_dir, single, tmp_path):
     """int8 shards: per-channel scales of a row-parallel slice cover fewer columns than the full row's, so the
     result is not bit-equal to one process's int8 model, but as close to the float model."""
-    import copy
-
-    import quantize as q
-
     model, logits, _ = single
     one = q.quantize_model(copy.deepcopy(model), "int8")
-    with torch.no_grad():
-        one_err = (one(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), all_logits=True)[0] - logits).abs().max()
+    one_err = (one(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), all_logits=True)[0] - logits).abs().max()
     ranks = run_tp(2, tiny_dir, str(tmp_path), quantize="int8")
     assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
     assert (ranks[0]["logits"] - logits).abs().max() <= 2 * one_err + 1e-3
 
 
 def test_shard_slices_and_errors():
-    from model import ModelArgs
-
     full = ModelArgs(vocab_size=10, dim=64, n_layers=1, n_heads=8, n_kv_heads=2, hidden_dim=96, head_dim=16)
     shard = tp.Shard(1, 4)
     local = shard.args(full)
@@ -115,15 +101,13 @@ def test_shard_slices_and_errors():
         tp.Shard(0, 2).args(ModelArgs(vocab_size=10, dim=64, n_layers=1, n_heads=6, n_kv_heads=3, hidden_dim=96))
 
 
+@pytest.mark.slow
 def test_torchrun_smollm2_matches_one_process(smollm2_gguf):
     """`torchrun --nproc-per-node 3 generate.py` (SmolLM2: 9 heads, 3 kv heads, 3 ranks): the same greedy text."""
     cmd = ["generate.py", "--model", smollm2_gguf, "--prompt", "The capital of France is", "--temperature", "0",
            "--max-new-tokens", "16", "--quiet"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    one = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    one = run_py(*cmd)
     assert one.returncode == 0, one.stderr
-    three = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-                            "--master-port", str(free_port()), *cmd], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300, env=env)
+    three = run_py("-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()), *cmd)
     assert three.returncode == 0, three.stderr
     assert three.stdout == one.stdout and one.stdout.strip()

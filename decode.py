@@ -1,0 +1,294 @@
+"""The decode loops: prefill the prompt in one forward pass, then decode one token per step against a KV cache.
+
+Prefill processes T prompt tokens per weight read, so it is compute-bound; each decode step reads every weight to
+produce one token, so it is memory-bandwidth-bound. How a step runs (the CPU GEMV backend, torch.compile) is one
+policy, `make_step`, that every loop here, the speculative loop and the engine call. The loops share one rule for
+when generation ends (`end_reason`) and mark the last Token with it.
+
+Shape legend: B rows, T tokens fed, V vocab.
+"""
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kvcache import KVCache
+from model import Transformer
+from quantize import Int8Linear
+from sample import SamplingParams, apply_penalties, sample, sampled_logprobs, token_counts
+
+PAD_ID = 0  # fills left-padded prompt slots and feeds finished batch rows; its keys/values are never attended
+StepFn = Callable[..., torch.Tensor]  # (model, tokens (B, T), input_pos, cache, all_logits=False) -> logits
+
+
+def forward_logits(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+                   all_logits: bool = False) -> torch.Tensor:
+    """tokens (B, T) at input_pos (T,) or (B, T) -> the logits after the last token (B, V), or after every token
+    (B, T, V). With T = 1 this is the decode step: fixed shapes, the function torch.compile compiles."""
+    logits = model(tokens, input_pos, cache, all_logits=all_logits)
+    return logits if all_logits else logits[:, -1]
+
+
+@contextmanager
+def gemv_backend(tokens: torch.Tensor):
+    """A one-row step multiplies one row by every weight matrix (a GEMV). On CPU, MKL streams bf16 weights about
+    twice as fast as oneDNN there, while oneDNN is the faster one for two rows or more, so it is off for one row."""
+    if tokens.device.type != "cpu" or tokens.numel() != 1:
+        yield
+        return
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
+def eager_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+               all_logits: bool = False) -> torch.Tensor:
+    """forward_logits with the matmul backend that suits the row count (gemv_backend)."""
+    with gemv_backend(tokens):
+        return forward_logits(model, tokens, input_pos, cache, all_logits)
+
+
+def compiled_step(model: Transformer, prefill: bool = False) -> StepFn:
+    """eager_step with the one-token step under torch.compile. On GPU, CUDA graphs (mode "reduce-overhead") remove
+    the per-kernel launch cost; for int8 weights also coordinate-descent tuning, which makes Inductor write each
+    GEMV as a fused reduction that casts the int8 weight in registers (cuBLAS's GEMV stays the better one for bf16).
+    prefill: compile the multi-token forwards too, with the token count (and cache size) symbolic so that a new
+    prompt length does not recompile."""
+    options = None
+    if model.embed_tokens.weight.device.type == "cuda":
+        int8 = any(isinstance(m, Int8Linear) for m in model.modules())
+        options = {"triton.cudagraphs": True, "coordinate_descent_tuning": int8}
+    one = torch.compile(forward_logits, fullgraph=True, options=options)
+    many = torch.compile(forward_logits, fullgraph=True, dynamic=True) if prefill else forward_logits
+
+    def step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+             all_logits: bool = False) -> torch.Tensor:
+        if tokens.shape[1] > 1:
+            return many(model, tokens, input_pos, cache, all_logits)
+        with gemv_backend(tokens):  # read at run time by the matmuls the compiled code calls
+            return one(model, tokens, input_pos, cache, all_logits)
+
+    return step
+
+
+def make_step(model: Transformer, compile: bool = False, compile_prefill: bool = False) -> StepFn:
+    """The decode-step policy every generation path uses: eager, or compiled (compile_prefill: prefills too)."""
+    return compiled_step(model, compile_prefill) if compile or compile_prefill else eager_step
+
+
+def new_cache(model: Transformer, batch_size: int, max_seq_len: int, kv_dtype: str = "model") -> KVCache:
+    """The KV cache every generation path uses (single, batched, session); kv_dtype as KVCache takes it."""
+    weight = model.embed_tokens.weight
+    return KVCache.for_model(model.args, batch_size, max_seq_len, weight.dtype, weight.device, kv_dtype)
+
+
+@dataclass
+class Token:
+    """One generated token; with logprobs asked for, its log-probability and the top alternatives. The last token
+    of a generation carries why it ended (end_reason)."""
+    id: int
+    logprob: float | None = None  # under the distribution it was drawn from (sample.sampled_logprobs)
+    top: list[tuple[int, float]] | None = None  # up to N (id, logprob) of that distribution, most likely first
+    end: str | None = None  # "eos" or "length" on the last token, else None
+
+
+def end_reason(token: int, n_new: int, n_tokens: int, max_new_tokens: int, max_len: int,
+               stop_ids: Sequence[int]) -> str | None:
+    """Whether generation ends after `token`, the n_new-th generated token, making n_tokens in all: "eos" for a stop
+    id, "length" after max_new_tokens or once the sequence fills max_len positions (the last token is never fed, so
+    it needs no position of its own), else None. The one rule of every loop (plain, batched, speculative, engine)."""
+    if token in stop_ids:
+        return "eos"
+    if n_new >= max_new_tokens or n_tokens > max_len:
+        return "length"
+    return None
+
+
+def check_request(prompt: list[int], max_new_tokens: int, max_seq: int, what: str = "the model's context") -> None:
+    """Raise a ValueError for an empty or too long prompt, or max_new_tokens < 1."""
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if len(prompt) >= max_seq:
+        raise ValueError(f"the prompt is {len(prompt)} tokens, longer than {what} of {max_seq - 1}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share: what a KV cache holding a can keep for b."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Session:
+    """A KV cache kept across generation calls (multi-turn chat) and the tokens whose keys/values it holds,
+    at positions 0..len(tokens)-1. The caller passes the whole conversation; only what differs is prefilled."""
+
+    def __init__(self, model: Transformer, max_seq_len: int | None = None, kv_dtype: str = "model"):
+        self.model, self.kv_dtype = model, kv_dtype
+        self.max_seq_len = max_seq_len or model.args.max_seq_len  # the most the cache may grow to
+        self.cache: KVCache | None = None
+        self.tokens: list[int] = []
+
+    def reserve(self, n: int) -> KVCache:
+        """The cache, grown to hold n positions (at least doubling, up to max_seq_len) with its contents kept.
+        Attention covers every slot, so a cache sized to the conversation beats one sized to the context."""
+        old = self.cache
+        if old is not None and (old.max_seq_len >= n or old.max_seq_len == self.max_seq_len):
+            return old
+        self.cache = new_cache(self.model, 1, min(self.max_seq_len, max(n, 2 * old.max_seq_len if old else n)),
+                               self.kv_dtype)
+        if old is not None:
+            for old_layer, new_layer in zip(old.layers, self.cache.layers):
+                for a, b in zip(old_layer.buffers(), new_layer.buffers()):
+                    b[:, :, :a.shape[2]] = a  # (B, K, S_old, D or 1) into the first S_old slots
+        return self.cache
+
+    def reusable(self, prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` the cache already holds. The last prompt token is always
+        fed again: its logits start the decoding."""
+        return common_prefix(self.tokens, prompt[:-1])
+
+
+def penalty_state(params: SamplingParams, prompts: Sequence[list[int]],
+                  model: Transformer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(seen (B, V) bool: prompt tokens, generated (B, V) zero counts) when penalties are on, else (None, None)."""
+    if not params.penalized:
+        return None, None
+    seen = token_counts(list(prompts), model.args.vocab_size, model.embed_tokens.weight.device) > 0
+    return seen, torch.zeros(seen.shape, device=seen.device)
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                  seen: torch.Tensor | None, generated: torch.Tensor | None,
+                  logprobs: int | None) -> tuple[torch.Tensor, list[Token]]:
+    """(B, V) logits -> (B,) next tokens: penalties, then sample.sample; counts them into the penalty state
+    (seen, generated) in place. Also a Token per row, with the log-probabilities it was drawn from and the top
+    `logprobs` alternatives when logprobs is not None."""
+    if seen is not None:
+        logits = apply_penalties(logits, seen, generated, params)
+    tokens = sample(logits, params, generator)  # (B,)
+    if seen is not None:  # the new tokens count for the next step's penalties
+        rows = torch.arange(len(tokens), device=tokens.device)
+        seen[rows, tokens] = True
+        generated[rows, tokens] += 1
+    if logprobs is None:
+        return tokens, [Token(t) for t in tokens.tolist()]
+    lp = sampled_logprobs(logits, params)  # (B, V)
+    chosen = lp.gather(-1, tokens[:, None])[:, 0].tolist()  # (B,)
+    top_lp, top_ids = lp.topk(min(logprobs, lp.shape[-1]), dim=-1)  # (B, N)
+    out = []
+    for b, token in enumerate(tokens.tolist()):
+        # Tokens that top-k/top-p/min-p removed have probability 0: they are no alternative. Among equal
+        # log-probabilities the chosen token goes first (topk orders ties arbitrarily; argmax takes the first).
+        top = [(i, v) for i, v in zip(top_ids[b].tolist(), top_lp[b].tolist()) if v > float("-inf")]
+        top.sort(key=lambda iv: (-iv[1], iv[0] != token))
+        out.append(Token(token, chosen[b], top))
+    return tokens, out
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt: list[int],
+    max_new_tokens: int,
+    params: SamplingParams = SamplingParams(),
+    generator: torch.Generator | None = None,
+    stop_ids: Sequence[int] = (),
+    step: StepFn = eager_step,
+    logprobs: int | None = None,
+    session: Session | None = None,
+    kv_dtype: str = "model",
+) -> Iterator[Token]:
+    """Yield the generated Tokens, the last one marked with why it ended (end_reason). With a session, its cache
+    is reused: only the part of `prompt` it does not hold yet is prefilled."""
+    if session is None:
+        check_request(prompt, max_new_tokens, model.args.max_seq_len)
+        # The cache holds the prompt and the generated tokens, never more than the model's context.
+        max_seq = min(len(prompt) + max_new_tokens, model.args.max_seq_len)
+        cache, start = new_cache(model, 1, max_seq, kv_dtype), 0
+    else:
+        check_request(prompt, max_new_tokens, session.max_seq_len, "the session's limit")
+        cache = session.reserve(len(prompt) + max_new_tokens)
+        max_seq = cache.max_seq_len
+        # Slots past the reused prefix are stale; each is rewritten before any query at or after it reads it.
+        start = session.reusable(prompt)
+    device = model.embed_tokens.weight.device
+    seen, generated = penalty_state(params, [prompt], model)
+
+    tokens = torch.tensor([prompt[start:]], device=device)  # (1, T)
+    logits = step(model, tokens, torch.arange(start, len(prompt), device=device), cache)  # prefill: (1, V)
+    if session is not None:
+        session.tokens = list(prompt)
+    pos = len(prompt)  # where the next sampled token is fed
+    for n_new in range(1, max_new_tokens + 1):
+        token, (out,) = sample_tokens(logits, params, generator, seen, generated, logprobs)  # (1,)
+        out.end = end_reason(out.id, n_new, pos + 1, max_new_tokens, max_seq, stop_ids)
+        yield out
+        if out.end:
+            return
+        logits = step(model, token.view(1, 1), torch.tensor([pos], device=device), cache)
+        if session is not None:
+            session.tokens.append(out.id)
+        pos += 1
+
+
+@torch.no_grad()
+def generate_batch(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    params: SamplingParams = SamplingParams(),
+    generator: torch.Generator | None = None,
+    stop_ids: Sequence[int] = (),
+    step: StepFn = eager_step,
+    logprobs: int | None = None,
+    kv_dtype: str = "model",
+) -> Iterator[list[Token | None]]:
+    """Generate for several prompts in one batch. Yields per step a Token for each running row, None for rows
+    that ended (by generate's rule, per row); ends when every row has."""
+    if not prompts:
+        raise ValueError("no prompts to generate for")
+    context = model.args.max_seq_len
+    for prompt in prompts:
+        check_request(prompt, max_new_tokens, context)
+    device = model.embed_tokens.weight.device
+    B, lengths = len(prompts), [len(p) for p in prompts]
+    T = max(lengths)
+    limits = [min(n + max_new_tokens, context) for n in lengths]  # each row's max_seq when run alone
+    cache = new_cache(model, B, max(limits), kv_dtype)
+    seen, generated = penalty_state(params, prompts, model)
+
+    # One prefill for all rows. Pads go first but take the positions after the prompt (n..T-1): the mask, built
+    # from positions, hides them from the prompt, their cache slots are rewritten by the row's decode steps before
+    # any query can see them, and every row's last prompt token lands in the last column.
+    padded = torch.full((B, T), PAD_ID, device=device)  # (B, T)
+    input_pos = torch.empty((B, T), dtype=torch.long, device=device)  # (B, T)
+    for b, prompt in enumerate(prompts):
+        n = len(prompt)
+        padded[b, T - n:] = torch.tensor(prompt, device=device)
+        input_pos[b] = torch.cat([torch.arange(n, T, device=device), torch.arange(n, device=device)])
+    logits = step(model, padded, input_pos, cache)  # (B, V): each row after its last prompt token
+    pos = torch.tensor(lengths, device=device)  # (B,) the position each row's next token is fed at
+    done = [False] * B
+    for n_new in range(1, max_new_tokens + 1):
+        tokens, outs = sample_tokens(logits, params, generator, seen, generated, logprobs)  # (B,)
+        for b, (out, p) in enumerate(zip(outs, pos.tolist())):
+            out.end = None if done[b] else end_reason(out.id, n_new, p + 1, max_new_tokens, limits[b], stop_ids)
+        yield [None if finished else out for finished, out in zip(done, outs)]
+        done = [finished or out.end is not None for finished, out in zip(done, outs)]
+        if all(done):
+            return
+        # Rows that ended are fed a pad token at position 0: their cache is never read again.
+        ended = torch.tensor(done, device=device)
+        feed = tokens.masked_fill(ended, PAD_ID)[:, None]  # (B, 1)
+        logits = step(model, feed, pos.masked_fill(ended, 0)[:, None], cache)  # (B, V)
+        pos += 1

@@ -1,0 +1,145 @@
+"""Write a quantized checkpoint folder that `generate.py --model DIR` loads:
+
+    python export.py --model M --mode int4:64 --out DIR
+
+model.safetensors holds the quantized modules' tensors with the mode in its metadata (load.read_quantization),
+beside config.json and the tokenizer files (copied from a Hugging Face folder, or built from a GGUF vocabulary).
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+import torch.nn as nn
+
+from cli import default_model, run_cli
+from load import load_model, read_quantization, resolve_model_path
+from quantize import MODES_HELP, head_is_quantized, parse_mode, quantization_of, weight_bytes
+from tokenizer import load_tokenizer
+
+OUT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+             "tokenizer.model", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+
+
+def hf_config(args) -> dict:
+    """A Hugging Face LlamaForCausalLM config.json for ModelArgs (e.g. from a GGUF file)."""
+    if args.rope_freq_factors is not None:
+        raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
+                         "cannot express; save from the Hugging Face checkpoint instead")
+    if args.sliding_window is not None:
+        raise ValueError("sliding-window models are saved from their Hugging Face folder, not from GGUF")
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args.vocab_size,
+        "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "intermediate_size": args.hidden_dim,
+        "hidden_act": "silu", "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False, "mlp_bias": False,
+    }
+    if args.rope_scaling:
+        cfg["rope_scaling"] = dict(args.rope_scaling)
+    return cfg
+
+
+def save_gguf_tokenizer(gguf_path: str, out: str) -> None:
+    """tokenizer.json (the tokenizers backend built from the GGUF vocabulary) plus tokenizer_config.json."""
+    from tokenizers import processors
+
+    tok = load_tokenizer(gguf_path)
+    backend = tok.backend
+    # A folder's tokenizer adds BOS/EOS only through tokenizer.json's post-processor.
+    single = ([tok.bos_token] if tok.add_bos else []) + ["$A"] + ([tok.eos_token] if tok.add_eos else [])
+    if len(single) > 1:
+        special = [(t, backend.token_to_id(t)) for t in (tok.bos_token, tok.eos_token) if t in single]
+        backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
+    backend.save(os.path.join(out, "tokenizer.json"))
+    cfg = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
+           "add_eos_token": tok.add_eos, "tokenizer_class": "PreTrainedTokenizerFast"}
+    if tok.chat_template:
+        cfg["chat_template"] = tok.chat_template
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, ensure_ascii=False)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_ids}, f, indent=2)
+
+
+def check_out_folder(out: str) -> None:
+    """Refuse a non-empty --out folder unless it holds only a previous output of this command, and a folder that
+    cannot be made or written to: checked before the model is loaded and quantized, not after."""
+    if not os.path.exists(out):
+        parent = os.path.dirname(os.path.abspath(out))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ValueError(f"--out {out!r} cannot be created: {parent!r} is a file, not a folder")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"--out {out!r} cannot be created: no permission to write in {parent!r}")
+        return
+    if not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} exists and is not a folder")
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out!r}: no permission to write in it")
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return
+    foreign = [e for e in entries if e not in OUT_FILES]
+    previous = "model.safetensors" in entries and read_quantization(os.path.join(out, "model.safetensors"))
+    if foreign or not previous:
+        raise ValueError(f"--out {out!r} is not empty and is not a previous export.py output "
+                         f"({', '.join((foreign or entries)[:3])} ...); choose an empty or new folder")
+
+
+def save_quantized(model: nn.Module, source: str, out: str) -> None:
+    """Write model.safetensors (quantization in its metadata), config.json and the tokenizer files to out."""
+    from safetensors.torch import save_file
+
+    meta = quantization_of(model)
+    assert meta is not None, "save_quantized needs a quantized model"
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.args.tie_embeddings:  # a tied matrix is stored once: the embedding, or the quantized head
+        del state["embed_tokens.weight" if head_is_quantized(model) else "lm_head.weight"]
+    os.makedirs(out, exist_ok=True)
+    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt", **meta})
+    if os.path.isdir(source):
+        for name in OUT_FILES[1:]:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+    else:
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(hf_config(model.args), f, indent=2)
+        save_gguf_tokenizer(source, out)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Quantize a checkpoint and write it to a folder.")
+    p.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: as generate.py)")
+    p.add_argument("--mode", required=True, help=MODES_HELP)
+    p.add_argument("--quantize-head", action="store_true", help="quantize the LM head too")
+    p.add_argument("--out", required=True, help="folder to write the quantized checkpoint to")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the scales and of the unquantized weights (default bfloat16)")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
+    parse_mode(args.mode)
+    check_out_folder(args.out)
+    source = resolve_model_path(args.model or default_model())
+    model, _ = load_model(source, "cpu", getattr(torch, args.dtype), progress=sys.stderr.isatty(),
+                          quantize=args.mode, quantize_head=args.quantize_head)
+    try:
+        save_quantized(model, source, args.out)
+    except OSError as e:  # e.g. the disk filled up while writing
+        raise ValueError(f"cannot write to --out {args.out!r}: {e.strerror or e}") from None
+    print(f"wrote {args.out} ({args.mode}{', head quantized' if args.quantize_head else ''}, "
+          f"weights {weight_bytes(model) / 1e6:.1f} MB)", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Plain helpers shared by the test files (fixtures are in conftest.py): the repository root, running a script
+in a fresh Python process, its peak memory, and a toy tokenizer whose text shows every token."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a test's child process: one thread, as the tests run (see conftest.py)."""
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def run_py(*args: str, input: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python ARGS...` in the repository root, as a user runs it."""
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, input=input,
+                          timeout=timeout, env=child_env())
+
+
+# Source of peak_rss(), the process's peak RSS in bytes, for test subprocesses to exec. Not getrusage's
+# ru_maxrss: Linux carries that across exec, so a child of the (large) pytest process starts at its peak.
+PEAK_RSS = ("def peak_rss():\n"
+            "    with open('/proc/self/status') as f:\n"
+            "        return next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmHWM:'))")
+
+
+class ToyTokenizer:
+    """Token i is the text '<i>'; no EOS unless given."""
+
+    def __init__(self, eos_ids=()):
+        self.eos_ids = list(eos_ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+    def stream(self):
+        class Decoder:
+            def push(self, token):
+                return f"<{token}>"
+
+            def flush(self):
+                return ""
+        return Decoder()
+
+
+def complete_greedy(model, tokenizer, prompt: list[int], max_new_tokens: int, *, stop=(), on_text=None,
+                    session=None):
+    """text.complete over greedy decode.generate, ending at the tokenizer's EOS ids (generate.py's path). With a
+    session, the Completion's `prefilled` counts only the prompt tokens the session's cache did not hold."""
+    from decode import generate
+    from text import complete
+
+    prefilled = len(prompt) - (session.reusable(prompt) if session is not None else 0)
+    tokens = generate(model, prompt, max_new_tokens, stop_ids=tokenizer.eos_ids, session=session)
+    return complete(tokens, tokenizer, len(prompt), prefilled, stop=stop, on_text=on_text)

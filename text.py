@@ -1,0 +1,151 @@
+"""The text layer over any stream of generated tokens (decode.generate, generate_batch, speculative.generate):
+incremental detokenization, stop strings with hold-back, and the Completion a caller gets back."""
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from decode import Token
+
+
+def check_stop(stop: Sequence[str]) -> None:
+    """Raise a ValueError for an empty stop string."""
+    for s in stop:
+        if not s:
+            raise ValueError(f"stop strings must be non-empty, got {s!r}")
+
+
+def held_back(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest end of `text` that is the start of a stop string (it may yet complete one)."""
+    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
+class TextStream:
+    """Incremental text of one generation, cut before the first stop string. Text that might be the start of a
+    stop string is held back until resolved, so the stop string itself is never returned."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        check_stop(stop)
+        self.decoder = tokenizer.stream()
+        self.stop = list(stop)
+        self.pending = ""  # decoded, not yet returned: it might start a stop string
+        self.text = ""  # everything returned so far
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that is now final (maybe "")."""
+        return self._scan(self.decoder.push(token_id), final=False)
+
+    def flush(self) -> str:
+        """The generation ended: return everything still held back (up to a stop string)."""
+        return self._scan(self.decoder.flush(), final=True)
+
+    def _scan(self, new: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        self.pending += new
+        # Returned text never holds the start of a stop string, so a match starts inside `pending`.
+        starts = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if starts:
+            out, self.pending, self.stopped = self.pending[:min(starts)], "", True
+        else:
+            keep = 0 if final else held_back(self.pending, self.stop)
+            out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        self.text += out
+        return out
+
+
+def finish_reason(end: str | None, text: TextStream) -> str | None:
+    """The finish reason of a generation: "stop" once a stop string matched, else the decode loop's ("eos",
+    "length"; None while it runs)."""
+    return "stop" if text.stopped else end
+
+
+def push_token(text: TextStream, token: Token) -> str:
+    """The text `token` makes final; EOS adds none (its text is not part of the output)."""
+    return "" if token.end == "eos" else text.push(token.id)
+
+
+@dataclass
+class Completion:
+    """One prompt's result: the text (cut before a stop string, without EOS) and every sampled token."""
+    text: str
+    tokens: list[int]  # every sampled id, including a final EOS and the tokens that completed a stop string
+    finish_reason: str  # "stop" (a stop string), "eos" (an EOS id) or "length" (max_new_tokens or the context)
+    prompt_tokens: int
+    prefilled: int  # prompt tokens run through the model: fewer than prompt_tokens when a session's cache is reused
+    steps: list[Token] = field(default_factory=list)  # per token, with logprobs when asked for
+    ttft_s: float = 0.0  # prefill plus the first sample
+    total_s: float = 0.0
+    second_s: float = 0.0  # until the second token: the first decode step, which compiles it with --compile
+
+
+def complete(tokens: Iterator[Token], tokenizer, prompt_tokens: int, prefilled: int | None = None, *,
+             stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None) -> Completion:
+    """Run a stream of generated tokens to its end or to a stop string (then the stream is closed: no more tokens
+    are computed); on_text gets the text as it becomes final. Streamed pieces concatenate to the returned text."""
+    text = TextStream(tokenizer, stop)
+    steps, end = [], None
+    t_start, t_first, t_second = time.perf_counter(), None, None
+    for token in tokens:
+        t_first = t_first or time.perf_counter()
+        t_second = t_second or (time.perf_counter() if steps else None)
+        steps.append(token)
+        end = token.end
+        piece = push_token(text, token)
+        if on_text and piece:
+            on_text(piece)
+        if text.stopped:
+            break
+    if hasattr(tokens, "close"):
+        tokens.close()
+    piece = text.flush()
+    if on_text and piece:
+        on_text(piece)
+    t_end = time.perf_counter()
+    return Completion(text.text, [s.id for s in steps], finish_reason(end, text) or "length", prompt_tokens,
+                      prompt_tokens if prefilled is None else prefilled, steps, t_first - t_start, t_end - t_start,
+                      (t_second or t_end) - t_start)
+
+
+def complete_batch(rows: Iterator[list[Token | None]], tokenizer, prompt_tokens: list[int], *,
+                   stop: Sequence[str] = ()) -> list[Completion]:
+    """complete() for a batch's stream (decode.generate_batch); one Completion per row, in order."""
+    texts = [TextStream(tokenizer, stop) for _ in prompt_tokens]
+    steps: list[list[Token]] = [[] for _ in prompt_tokens]
+    ends: list[str | None] = [None] * len(prompt_tokens)
+    t_start, t_first = time.perf_counter(), None
+    for row_tokens in rows:
+        t_first = t_first or time.perf_counter()
+        for b, token in enumerate(row_tokens):
+            if token is None or texts[b].stopped:
+                continue  # this row's output is frozen
+            steps[b].append(token)
+            ends[b] = token.end
+            push_token(texts[b], token)
+        if all(t.stopped or e is not None for t, e in zip(texts, ends)):
+            break  # every row ended or hit a stop string: stop computing
+    if hasattr(rows, "close"):
+        rows.close()
+    t_end = time.perf_counter()
+    out = []
+    for b, n in enumerate(prompt_tokens):
+        texts[b].flush()
+        out.append(Completion(texts[b].text, [s.id for s in steps[b]], finish_reason(ends[b], texts[b]) or "length",
+                              n, n, steps[b], t_first - t_start, t_end - t_start))
+    return out
+
+
+def completion_json(c: Completion, tokenizer) -> dict:
+    """A Completion as the JSON object `generate.py --json` prints (logprobs only when they were asked for)."""
+    decode_s = c.total_s - c.ttft_s
+    out = {"text": c.text, "finish_reason": c.finish_reason, "tokens": c.tokens, "prompt_tokens": c.prompt_tokens,
+           "prefilled_tokens": c.prefilled,
+           "timings": {"ttft_ms": round(c.ttft_s * 1000, 3), "total_ms": round(c.total_s * 1000, 3),
+                       "decode_tokens_per_s": round((len(c.tokens) - 1) / decode_s, 3)
+                       if len(c.tokens) > 1 and decode_s > 0 else None}}
+    if c.steps and c.steps[0].logprob is not None:
+        out["logprobs"] = [{"token": s.id, "text": tokenizer.decode([s.id]), "logprob": s.logprob,
+                            "top": [{"token": i, "text": tokenizer.decode([i]), "logprob": v} for i, v in s.top]}
+                           for s in c.steps]
+    return out

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 from cli import default_model, run_cli
-from load import load_model, read_quantization, resolve_model_path
-from quantize import MODES_HELP, head_is_quantized, parse_mode, quantization_of, weight_bytes
+from load import checkpoint_state, load_model, read_quantization, resolve_model_path
+from quantize import MODES_HELP, parse_mode, quantization_of, weight_bytes
 from tokenizer import load_tokenizer
 
 OUT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
@@ -97,9 +97,7 @@ def save_quantized(model: nn.Module, source: str, out: str) -> None:
 
     meta = quantization_of(model)
     assert meta is not None, "save_quantized needs a quantized model"
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.args.tie_embeddings:  # a tied matrix is stored once: the embedding, or the quantized head
-        del state["embed_tokens.weight" if head_is_quantized(model) else "lm_head.weight"]
+    state = {k: v.contiguous() for k, v in checkpoint_state(model).items()}  # the usual names, q/k/v apart
     os.makedirs(out, exist_ok=True)
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt", **meta})
     if os.path.isdir(source):

@@ -38,6 +38,122 @@ GGUF_BLOCK_NAMES = {
 }
 
 
+# The model's fused linears and the checkpoint tensors they join, in row order (model.Attention, model.MLP).
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+PART_OF = {part: (fused, i) for fused, parts in FUSED.items() for i, part in enumerate(parts)}
+
+
+def part_rows(args: ModelArgs, fused: str) -> list[int]:
+    """Output rows of each checkpoint part of a fused linear."""
+    if fused == "self_attn.qkv_proj":
+        return [args.n_heads * args.head_dim] + [args.n_kv_heads * args.head_dim] * 2
+    return [args.hidden_dim] * 2
+
+
+def fused_slot(name: str) -> tuple[str, int] | None:
+    """'layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj.weight', 1); None for other names."""
+    if not name.startswith("layers."):
+        return None
+    layer, module, suffix = name.split(".", 2)[1], name.split(".", 2)[2].rsplit(".", 1)[0], name.rsplit(".", 1)[1]
+    if module not in PART_OF:
+        return None
+    fused, i = PART_OF[module]
+    return f"layers.{layer}.{fused}.{suffix}", i
+
+
+def row_dim(suffix: str, module: nn.Module) -> int:
+    """The dimension of a linear's buffer that runs over output rows (int4 scales_and_zeros: (K/G, N, 2))."""
+    return 1 if suffix == "scales_and_zeros" else 0
+
+
+def join_parts(suffix: str, parts: list[torch.Tensor], rows: list[int], module: nn.Module) -> torch.Tensor:
+    """One fused tensor from its parts' tensors: each cut to its rows (an int4 part is padded to 16 rows on
+    disk), joined along the rows, and padded to the fused module's rows (zero codes and scales: zero weights)."""
+    dim = row_dim(suffix, module)
+    joined = torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, rows)], dim=dim)
+    padded = getattr(module, "out_padded", sum(rows))
+    if padded == joined.shape[dim]:
+        return joined
+    pad = [0, 0] * (joined.dim() - 1 - dim) + [0, padded - joined.shape[dim]]
+    return nn.functional.pad(joined, pad)
+
+
+def split_parts(suffix: str, t: torch.Tensor, rows: list[int], module: nn.Module) -> list[torch.Tensor]:
+    """The inverse of join_parts, for writing checkpoints with the usual names: an int4 part padded to 16 rows,
+    as an Int4Linear of its own shape stores it."""
+    dim, out = row_dim(suffix, module), []
+    for start, n in zip([sum(rows[:i]) for i in range(len(rows))], rows):
+        part = t.narrow(dim, start, n)
+        if hasattr(module, "out_padded") and n % 16:  # quantize.N_MULTIPLE
+            pad = [0, 0] * (t.dim() - 1 - dim) + [0, -n % 16]
+            part = nn.functional.pad(part, pad)
+        out.append(part.contiguous())
+    return out
+
+
+def checkpoint_state(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's state dict under a checkpoint's names: each fused linear's tensors split into its parts, and
+    a tied matrix once (the embedding, or the quantized head)."""
+    state = {}
+    for name, t in model.state_dict().items():
+        if model.args.tie_embeddings and name == ("lm_head.weight" if isinstance(model.lm_head, nn.Linear)
+                                                  else "embed_tokens.weight"):
+            continue
+        fused = next((f for f in FUSED if f".{f}." in name), None)
+        if fused is None:
+            state[name] = t
+            continue
+        module_name, suffix = name.rsplit(".", 1)
+        pieces = split_parts(suffix, t, part_rows(model.args, fused), model.get_submodule(module_name))
+        state.update({name.replace(fused, part): piece for part, piece in zip(FUSED[fused], pieces)})
+    return state
+
+
+def checkpoint_shapes(model: Transformer) -> dict[str, tuple]:
+    """The tensors a checkpoint of `model` holds, and their shapes."""
+    return {name: tuple(t.shape) for name, t in checkpoint_state(model).items()}
+
+
+class Joiner:
+    """Collects a checkpoint's part tensors (q/k/v, gate/up) and hands over each fused tensor once all its parts
+    are read; any other tensor passes straight through."""
+
+    def __init__(self, model: Transformer):
+        self.model, self.pending = model, {}
+
+    def add(self, name: str, value):
+        """(name, value) to use now: the tensor itself, a fused tensor just completed, or (None, None) while
+        parts are missing. A value may be a tensor or a tuple of tensors (joined element by element)."""
+        slot = fused_slot(name)
+        if slot is None:
+            return name, value
+        fused_name, i = slot
+        parts = self.pending.setdefault(fused_name, {})
+        parts[i] = value
+        fused = next(f for f in FUSED if f".{f}." in fused_name)
+        if len(parts) < len(FUSED[fused]):
+            return None, None
+        del self.pending[fused_name]
+        ordered = [parts[j] for j in range(len(parts))]
+        suffix, module = fused_name.rsplit(".", 1)[1], self.model.get_submodule(fused_name.rsplit(".", 1)[0])
+        rows = part_rows(self.model.args, fused)
+        if isinstance(value, tuple):  # (codes, scales, zeros) rows of a GGUF's int4 blocks: plain row joins
+            return fused_name, tuple(torch.cat(xs) for xs in zip(*ordered))
+        return fused_name, join_parts(suffix, ordered, rows, module)
+
+
+def join_state(model: Transformer, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict under a checkpoint's names (q/k/v, gate/up apart) as `model` takes it."""
+    joiner, out = Joiner(model), {}
+    for name, t in state.items():
+        name, t = joiner.add(name, t)
+        if name is not None:
+            out[name] = t
+    assert not joiner.pending, f"parts without their partners: {sorted(joiner.pending)[:3]}"
+    return out
+
+
 def resolve_model_path(model: str) -> str:
     """A local folder or .gguf file as is; anything shaped like `org/name` that is not on disk
     is fetched from the Hugging Face hub (config, safetensors, tokenizer files only)."""
@@ -119,13 +235,6 @@ def assign_weights(model: Transformer, state: dict[str, torch.Tensor], device,
         model.lm_head.weight = model.embed_tokens.weight  # assign made two Parameters; make it one again
     model.reset_rope(device)
     return model.eval().requires_grad_(False)
-
-
-def expected_shapes(model: Transformer) -> dict[str, tuple]:
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    if model.args.tie_embeddings:  # tied checkpoints store the matrix once: the embedding, or the quantized head
-        del shapes["lm_head.weight" if isinstance(model.lm_head, nn.Linear) else "embed_tokens.weight"]
-    return shapes
 
 
 def quantizer(model: Transformer, quantize: str | None, quantize_head: bool):
@@ -234,15 +343,18 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
         except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
             raise ValueError(f"cannot read safetensors file {full!r}: {e}") from None
     shapes = {k: shard.local_shape(k, v[2], full_args) if shard else v[2] for k, v in found.items()}
-    check_tensors(expected_shapes(model), shapes, path)
+    check_tensors(checkpoint_shapes(model), shapes, path)
     convert, filled = quantizer(model, None if quantize == "none" else quantize, quantize_head)
 
-    state = {}
+    state, joiner = {}, Joiner(model)
     for name, (file, key, _) in tqdm(found.items(), desc="loading", disable=not progress, unit="tensor"):
         try:
             t = shard.read(name, handles[file].get_slice(key), full_args) if shard else handles[file].get_tensor(key)
         except Exception as e:
             raise ValueError(f"cannot read tensor {key!r} from {file!r}: {e}") from None
+        name, t = joiner.add(name, t)  # q/k/v and gate/up parts become one tensor
+        if name is None:
+            continue
         if not t.is_floating_point():  # quantized codes keep their integer dtype
             state[name] = t.to(device)
         else:
@@ -372,7 +484,7 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
     shapes = {k: tuple(reversed(t.shape.tolist())) for k, t in tensors.items()}
     if shard:
         shapes = {k: shard.local_shape(k, v, full_args) for k, v in shapes.items()}
-    check_tensors(expected_shapes(model), shapes, path)
+    check_tensors(checkpoint_shapes(model), shapes, path)
     reader.fields.clear()  # the metadata (the vocabulary: ~100k small arrays, ~100 MB) is read; free it
     # A shard slices dequantized tensors; a quantized head is quantized from the dequantized embedding.
     native = None if shard or quantize_head else gguf_native_mode(tensors, quantize)
@@ -381,24 +493,28 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
         quantize, quantize_head = None, False
     convert, filled = quantizer(model, None if quantize == "none" else quantize, quantize_head)
 
-    state = {}
+    state, joiner = {}, Joiner(model)
     for name, t in tqdm(tensors.items(), desc="loading", disable=not progress, unit="tensor"):
         shape = tuple(reversed(t.shape.tolist()))
-        if native is not None and name in modules:
+        heads = full_args.n_heads if "q_proj" in name else full_args.n_kv_heads
+        if native is not None and t.tensor_type.name in GGUF_INT4 and "_proj." in name:
             codes, scales, zeros = gguf_int4(t, shape)
             if name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = full_args.n_heads if "q_proj" in name else full_args.n_kv_heads
                 codes, scales, zeros = (unpermute_qk(x, heads) for x in (codes, scales, zeros))
-            prefix, module = modules[name]
-            module.load_state_dict({k: v.to(device) for k, v in module.buffers_for_codes(codes, scales, zeros).items()},
-                                   assign=True)
-            filled.add(prefix)
+            name, blocks = joiner.add(name, (codes, scales, zeros))
+            if name is not None:
+                prefix, module = modules[name]
+                buffers = module.buffers_for_codes(*blocks)
+                module.load_state_dict({k: v.to(device) for k, v in buffers.items()}, assign=True)
+                filled.add(prefix)
             continue
         w = gguf_dequantize(t, shape)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute_qk(w, full_args.n_heads if "q_proj" in name else full_args.n_kv_heads)
+            w = unpermute_qk(w, heads)
         if shard:
             w = shard.take(name, w, full_args)  # a GGUF block packs whole rows: dequantize, then slice
-        state.update(convert(name, w, device, dtype))
+        name, w = joiner.add(name, w)
+        if name is not None:
+            state.update(convert(name, w, device, dtype))
         release_freed_memory()
     return assign_weights(model, state, device, frozenset(filled))

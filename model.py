@@ -147,16 +147,18 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        # q, k and v as one weight (rows q | k | v): one larger matmul instead of three. Checkpoints keep
+        # q_proj/k_proj/v_proj; the loader joins them (load.FUSED).
+        self.qkv_proj = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
+                                          self.n_kv_heads * self.head_dim], dim=-1)  # (B, T, H*D), (B, T, K*D) x 2
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(input_pos, k, v)  # (B, K, S, D): every slot, the mask hides unwritten ones
@@ -172,12 +174,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.gate_up_proj = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)  # rows gate | up, as qkv_proj
         self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., F) each
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class Block(nn.Module):
@@ -198,7 +200,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Parameter names follow Hugging Face's (without the `model.` prefix), so loading is a plain mapping."""
+    """Parameter names follow Hugging Face's (without the `model.` prefix), except the fused qkv_proj and
+    gate_up_proj, which load.py joins from a checkpoint's parts."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

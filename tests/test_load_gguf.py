@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import quantize as q
 from kvcache import KVCache
-from load import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, load_model, unpermute_qk
+from load import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, fused_slot, load_model, part_rows, unpermute_qk
 from tiny_models import greedy_ids
 
 BF16_U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits): |bf16(x) - x| <= 2^-8 |x|
@@ -110,8 +110,26 @@ def file_blocks(path: str, n_heads: int, n_kv_heads: int) -> dict[str, tuple]:
 
 
 def block_linears(model) -> dict[str, nn.Module]:
-    return {f"layers.{i}.{name}": model.layers[i].get_submodule(name)
-            for i in range(model.args.n_layers) for name in BLOCK_LINEARS}
+    """The model's block linears by module name (qkv_proj and gate_up_proj fused)."""
+    return {name: m for name, m in model.named_modules()
+            if name.startswith("layers.") and isinstance(m, (nn.Linear, q.Int4Linear, q.Int8Linear))}
+
+
+def part_of(model, name: str) -> tuple[nn.Module, slice]:
+    """(module, its rows) of the checkpoint linear `name` (e.g. layers.0.self_attn.k_proj) in the fused model."""
+    slot = fused_slot(name + ".weight")
+    if slot is None:
+        return model.get_submodule(name), slice(None)
+    fused, i = slot
+    fused = fused.removesuffix(".weight")
+    rows = part_rows(model.args, fused.split(".", 2)[2])
+    return model.get_submodule(fused), slice(sum(rows[:i]), sum(rows[:i + 1]))
+
+
+def part_weight(model, name: str) -> torch.Tensor:
+    """The (N, K) weight of checkpoint linear `name`: a float model's, or a quantized module's dequantize()."""
+    module, rows = part_of(model, name)
+    return (module.weight if isinstance(module, nn.Linear) else module.dequantize())[rows]
 
 
 def float_from_native(exact, native):
@@ -191,12 +209,13 @@ def test_native_codes_equal_the_files_dequantization(gguf_file, qtype, tied):
     if tied:
         assert native.lm_head.weight is native.embed_tokens.weight
     blocks = file_blocks(path, native.args.n_heads, native.args.n_kv_heads)
-    assert sorted(blocks) == sorted(block_linears(native))
+    assert sorted(blocks) == sorted(f"layers.{i}.{n}" for i in range(native.args.n_layers) for n in BLOCK_LINEARS)
     worst_tight = worst_loose = 0.0
-    for name, module in block_linears(native).items():
+    for name in blocks:
+        module, rows = part_of(native, name)
         assert isinstance(module, q.Int4Linear) and module.group_size == 32, (name, module)
-        assert type(exact.get_submodule(name)) is nn.Linear
-        got, want = module.dequantize(), exact.get_submodule(name).weight
+        assert type(part_of(exact, name)[0]) is nn.Linear
+        got, want = part_weight(native, name), part_weight(exact, name)
         codes, d, zero = blocks[name]
         per_weight = lambda x: x.repeat_interleave(32, dim=1)  # (N, K/32) -> (N, K)
         tight = BF16_U * ((codes.float() - 8).abs() * per_weight(d.abs()) + per_weight(zero.abs()))
@@ -210,7 +229,7 @@ def test_native_codes_equal_the_files_dequantization(gguf_file, qtype, tied):
         worst_tight = max(worst_tight, (err / tight.clamp(min=1e-30)).max().item())
         worst_loose = max(worst_loose, (err / loose.clamp(min=1e-30)).max().item())
         # the model dtype does not touch the codes: scales and zeros are bf16 always
-        other = native_bf16.get_submodule(name)
+        other = part_of(native_bf16, name)[0]
         assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), other.state_dict().values()))
     print(f"\n{qtype} tied={tied}: weight error / bound: max {worst_tight:.3f} of the per-weight bound "
           f"2^-8 (|q-8||d| + |zero|), {worst_loose:.3f} of the per-block bound 2^-8 (8|d| + |zero|)")
@@ -377,10 +396,11 @@ def test_smollm2_native_vs_exact_float(smollm2_native_and_exact, smollm2_gguf, s
         for model, cast in ((fp32_sz, torch.float32), (bf16_sz, torch.bfloat16)):
             s, z = d.to(cast).float(), zero.to(cast).float()
             w = (codes.float().view(shape[0], -1, 32) - 8) * s[..., None] + z[..., None]  # (N, K/32, 32)
-            model.get_submodule(name).weight.copy_(w.view(shape))
+            module, rows = part_of(model, name)
+            module.weight[rows].copy_(w.view(shape))
         # the bf16 one is exactly the native module's weight; the fp32 one is the file's dequantization
-        assert torch.equal(bf16_sz.get_submodule(name).weight, native.get_submodule(name).dequantize()), name
-        assert (fp32_sz.get_submodule(name).weight - exact.get_submodule(name).weight).abs().max() <= 1e-6
+        assert torch.equal(part_weight(bf16_sz, name), part_weight(native, name)), name
+        assert (part_weight(fp32_sz, name) - part_weight(exact, name)).abs().max() <= 1e-6
     fp32_lp, bf16_lp = teacher_forced_logprobs(fp32_sz, tokens), teacher_forced_logprobs(bf16_sz, tokens)
     scale_cost = compare(fp32_lp, bf16_lp, tokens)
     kernel_cost = compare(bf16_lp, native_lp, tokens)

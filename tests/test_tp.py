@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 import quantize as q
 import tp
 from helpers import run_py
-from load import load_model
+from load import checkpoint_shapes, load_model
 from model import ModelArgs
 from tiny_models import greedy_ids
 
@@ -36,7 +36,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, qua
         with torch.no_grad():
             logits = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), all_logits=True)[0]
             tokens = greedy_ids(model, PROMPT, N_NEW)
-        local_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        local_shapes = checkpoint_shapes(model)  # under the checkpoint's names: q/k/v apart
         torch.save({"logits": logits, "tokens": tokens, "shapes": local_shapes},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

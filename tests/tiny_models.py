@@ -5,6 +5,7 @@ import math
 import torch
 
 from decode import generate
+from load import join_state
 from model import ModelArgs, Transformer
 from sample import SamplingParams
 
@@ -41,7 +42,7 @@ def hf_to_ours(hf) -> Transformer:
     cfg["architectures"] = [type(hf).__name__]
     model = Transformer(ModelArgs.from_hf_config(cfg)).eval()
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(join_state(model, state), strict=True)
     return model
 
 

@@ -28,6 +28,8 @@ from quantize import describe, quantize_model, weight_bytes
 SHAPES = {
     "smollm2-135m": ModelArgs(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536,
                               rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True),
+    "llama-3.2-1b": ModelArgs(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden_dim=8192,
+                              rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True),
     "llama-2-7b": ModelArgs(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, hidden_dim=11008, max_seq_len=4096),
     "llama-3-8b": ModelArgs(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
                             rope_theta=500000.0, max_seq_len=8192),

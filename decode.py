@@ -67,10 +67,15 @@ def compiled_step(model: Transformer, prefill: bool = False) -> StepFn:
 
     def step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
              all_logits: bool = False) -> torch.Tensor:
-        if tokens.shape[1] > 1:
-            return many(model, tokens, input_pos, cache, all_logits)
-        with gemv_backend(tokens):  # read at run time by the matmuls the compiled code calls
-            return one(model, tokens, input_pos, cache, all_logits)
+        try:
+            if tokens.shape[1] > 1:
+                return many(model, tokens, input_pos, cache, all_logits)
+            with gemv_backend(tokens):  # read at run time by the matmuls the compiled code calls
+                return one(model, tokens, input_pos, cache, all_logits)
+        except torch._dynamo.exc.TorchDynamoException as e:  # compiling failed: say so in one line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(f"torch.compile failed ({type(e).__name__}: {first[:200]}); run without --compile") \
+                from None
 
     return step
 

@@ -117,6 +117,18 @@ def cuda_inner_k_tiles(k: int) -> int:
     return 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2  # K is a multiple of G >= 32
 
 
+@torch.library.custom_op("tinyllm::int8pack_mm", mutates_args=())
+def int8pack_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """torch's CPU int8 weight-only kernel as an opaque op: Inductor's own lowering of it fails when its input
+    is a fused pointwise result (LoweringException ... int8pack_mm), so compiled code calls the kernel as it is."""
+    return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
+
+
+@int8pack_mm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])  # (M, N)
+
+
 class Int8Linear(nn.Module):
     """y = x @ (codes * scales)^T with int8 codes (N, K) and one symmetric scale per output channel."""
 
@@ -143,7 +155,7 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if int8_kernel(x.device) == "cpu":
             x2 = F.pad(x2, (0, self.in_padded - self.in_features)).to(KERNEL_DTYPE)  # (M, K padded)
-            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales.to(KERNEL_DTYPE))
+            y = int8pack_mm(x2.contiguous(), self.weight, self.scales.to(KERNEL_DTYPE))
             y = y.to(x.dtype)
         elif x.device.type == "cuda":
             y = F.linear(x2, self.weight[:, :self.in_features].to(x.dtype)) * self.scales.to(x.dtype)

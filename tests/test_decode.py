@@ -343,3 +343,43 @@ def test_gemv_backend_only_for_single_row_cpu_steps(tiny):
     token, pos = torch.tensor([[4]]), torch.tensor([3])
     reference = bf16(token, pos, cache)[:, -1]  # oneDNN, torch's default
     assert (eager_step(bf16, token, pos, cache) - reference).abs().max() <= 0.05 * reference.abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["int8", "int4:32"])
+def test_compiled_quantized_decode_matches_eager(tiny, mode):
+    """int8 and int4 weights under torch.compile on CPU (int8 used to die in Inductor's lowering of
+    _weight_int8pack_mm): compiled greedy tokens and logits equal the eager ones."""
+    import torch._dynamo
+
+    from quantize import quantize_model
+
+    model = quantize_model(copy.deepcopy(tiny), mode)
+    torch._dynamo.reset()
+    compiled = compiled_step(model)
+    cache_a = KVCache.for_model(model.args, 1, 24, torch.float32, "cpu")
+    cache_b = KVCache.for_model(model.args, 1, 24, torch.float32, "cpu")
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    a = eager_step(model, prompt, torch.arange(5), cache_a)
+    b = compiled(model, prompt, torch.arange(5), cache_b)
+    for pos in range(5, 20):
+        token = a.argmax(-1, keepdim=True)
+        assert torch.equal(token, b.argmax(-1, keepdim=True))
+        a = eager_step(model, token, torch.tensor([pos]), cache_a)
+        b = compiled(model, token, torch.tensor([pos]), cache_b)
+        assert (a - b).abs().max() <= 1e-2  # both run the bf16 kernels; the code around them is fused
+
+
+def test_a_compile_failure_is_a_one_line_value_error(tiny, monkeypatch):
+    import torch._dynamo.exc
+
+    def broken(fn, **kwargs):
+        def fail(*args):
+            raise torch._dynamo.exc.BackendCompilerFailed("inductor", RuntimeError("LoweringException: boom"), None)
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken)
+    step = compiled_step(tiny)
+    cache = KVCache.for_model(tiny.args, 1, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"torch.compile failed \(BackendCompilerFailed.*run without --compile"):
+        step(tiny, torch.tensor([[1]]), torch.tensor([0]), cache)

@@ -204,3 +204,40 @@ def test_int4_load_peak_memory_below_bf16(smollm2_gguf):
     # requantized, one tensor at a time
     int4_peak, int4_weights, _ = load_peak_rss(smollm2_gguf, "bfloat16", "int4:64")
     assert int4_peak < bf16_peak - 0.6 * (bf16_weights - int4_weights), (int4_peak / 1e6, bf16_peak / 1e6)
+
+
+@pytest.mark.parametrize("mode", [None, "int8", "int4:32"])
+def test_fused_projections_split_and_join_back(mode):
+    """A fused model's state under the checkpoint's names (q/k/v, gate/up apart; an int4 part padded to 16 rows
+    on its own, here 20 rows -> 32) joins back to the same tensors, and the fused forward equals one built from
+    separate q/k/v and gate/up products."""
+    import torch.nn.functional as F
+
+    from load import checkpoint_state, join_state
+    from model import ModelArgs, Transformer
+    from quantize import quantize_model
+
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=64, dim=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=20, hidden_dim=96)
+    model = Transformer(args).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    if mode is not None:
+        model = quantize_model(model, mode)
+    state = checkpoint_state(model)
+    names = {k.rsplit(".", 2)[-2] for k in state if k.startswith("layers.0.")}
+    assert {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"} <= names and "qkv_proj" not in names
+    if mode == "int4:32":
+        assert state["layers.0.self_attn.k_proj.weight"].shape == (32, 32)  # 20 rows padded to 32, K/2 = 32
+    joined = join_state(model, state)
+    own = model.state_dict()
+    assert joined.keys() == own.keys()
+    assert all(torch.equal(joined[k], own[k]) for k in joined)
+    if mode is None:  # fused matmuls against the parts' own ones
+        x = torch.randn(1, 3, 64)
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        q, k, v = (F.linear(x, state[f"layers.0.self_attn.{n}_proj.weight"]) for n in "qkv")
+        assert torch.allclose(attn.qkv_proj(x), torch.cat([q, k, v], -1), atol=1e-6)
+        gate, up = (F.linear(x, state[f"layers.0.mlp.{n}_proj.weight"]) for n in ("gate", "up"))
+        want = F.linear(F.silu(gate) * up, state["layers.0.mlp.down_proj.weight"])
+        assert torch.allclose(mlp(x), want, atol=1e-6)

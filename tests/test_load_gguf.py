@@ -177,7 +177,7 @@ def test_float_file_loads_as_before_and_matches_transformers(gguf_file):
     for tied in (False, True):
         path, hf = gguf_file("F32", tied)
         model, _ = load_model(path, "cpu", torch.float32)
-        assert all(type(m) is nn.Linear for m in block_linears(model).values())
+        assert all(isinstance(m, nn.Linear) for m in block_linears(model).values())
         assert q.quantization_of(model) is None
         tokens = torch.randint(0, 160, (1, 24), generator=torch.Generator().manual_seed(1))
         diff = (model(tokens, torch.arange(24), all_logits=True) - hf(tokens).logits).abs().max().item()
@@ -191,7 +191,7 @@ def test_files_not_all_q4_load_as_float(gguf_file, types):
     """Native codes only when every block linear is Q4_0/Q4_1; otherwise the file dequantizes, as before."""
     path, _ = gguf_file(**types)
     model, _ = load_model(path, "cpu", torch.float32)
-    assert all(type(m) is nn.Linear for m in block_linears(model).values())
+    assert all(isinstance(m, nn.Linear) for m in block_linears(model).values())
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
@@ -205,7 +205,7 @@ def test_native_codes_equal_the_files_dequantization(gguf_file, qtype, tied):
     exact, _ = load_model(path, "cpu", torch.float32, quantize="none")
     native_bf16, _ = load_model(path, "cpu", torch.bfloat16)
     assert q.quantization_of(native) == {"quantization": "int4", "group_size": "32", "quantize_head": "false"}
-    assert type(native.lm_head) is nn.Linear
+    assert isinstance(native.lm_head, nn.Linear)
     if tied:
         assert native.lm_head.weight is native.embed_tokens.weight
     blocks = file_blocks(path, native.args.n_heads, native.args.n_kv_heads)
@@ -214,7 +214,7 @@ def test_native_codes_equal_the_files_dequantization(gguf_file, qtype, tied):
     for name in blocks:
         module, rows = part_of(native, name)
         assert isinstance(module, q.Int4Linear) and module.group_size == 32, (name, module)
-        assert type(part_of(exact, name)[0]) is nn.Linear
+        assert isinstance(part_of(exact, name)[0], nn.Linear)
         got, want = part_weight(native, name), part_weight(exact, name)
         codes, d, zero = blocks[name]
         per_weight = lambda x: x.repeat_interleave(32, dim=1)  # (N, K/32) -> (N, K)
@@ -320,7 +320,7 @@ def test_quantize_modes_on_a_q4_file(gguf_file, qtype):
     path, _ = gguf_file(qtype)
     native, _ = load_model(path, "cpu", torch.float32)
     exact, _ = load_model(path, "cpu", torch.float32, quantize="none")
-    assert all(type(m) is nn.Linear for m in block_linears(exact).values())
+    assert all(isinstance(m, nn.Linear) for m in block_linears(exact).values())
     assert {p.dtype for p in exact.parameters()} == {torch.float32}
     for mode in ("int4", "int4:32"):
         model, _ = load_model(path, "cpu", torch.float32, quantize=mode)
@@ -356,7 +356,7 @@ def test_smollm2_loads_native_int4(smollm2_native_and_exact):
     scale and zero per 32 weights: 0.5 + 4/32 bytes = 5 bits per weight (Q4_1's own 20 bytes per 32)."""
     native, exact = smollm2_native_and_exact
     assert q.quantization_of(native) == {"quantization": "int4", "group_size": "32", "quantize_head": "false"}
-    assert all(type(m) is nn.Linear for m in block_linears(exact).values())
+    assert all(isinstance(m, nn.Linear) for m in block_linears(exact).values())
     modules = block_linears(native).values()
     bits = 8 * sum(b.nbytes for m in modules for b in m.buffers()) / sum(m.in_features * m.out_features
                                                                           for m in modules)

@@ -5,8 +5,9 @@
 POST /v1/completions and /v1/chat/completions (JSON, or with "stream": true server-sent events), GET /v1/models,
 /health and /metrics (Prometheus text format: request counts, engine gauges, TTFT and TPOT histograms).
 
-Threads: the engine steps on one background thread (Engine.run_forever); the HTTP handlers run on uvicorn's asyncio
-loop. A handler submits an engine Request whose on_event callback, called on the engine thread, hands each Event and
+Threads: `python serve.py` steps the engine (Engine.run_forever) on the main thread, where torch's CPU ops run
+fastest, and runs uvicorn's asyncio loop on another; make_app(engine_thread=True), for tests and embedding, gives
+the engine a thread of its own instead. A handler submits an engine Request whose on_event callback, called on the engine thread, hands each Event and
 its arrival time to the handler's asyncio.Queue through loop.call_soon_threadsafe. A request whose client goes away
 is aborted, so its KV blocks return to the pool at the engine's next step.
 
@@ -863,7 +864,7 @@ def run(args: argparse.Namespace) -> None:
               f"{str(dtype).removeprefix('torch.')} ({dtype_why}) | API key {'required' if args.api_key else 'off'} "
               f"| {config}", file=sys.stderr)
     # The engine steps on the main thread and uvicorn serves from another: here, torch's OpenMP-parallel ops
-    # ran 2-5x slower when called from a thread other than the main one (decode 31 vs 61 tokens/s, bf16).
+    # ran several times slower when called from a thread other than the main one (README, Serving).
     try:
         stopped = server.run_engine()  # until drain() stops it, or it fails (it printed why; requests got it)
     finally:

@@ -120,14 +120,15 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v for one query per row, written out: q (B, H, 1, D), k and v (B, K, S, D), mask
     (1, S) or (B, 1, 1, S). torch's CPU SDPA kernel tiles over queries, which is slow for one query per row; two
-    small batched matmuls are faster there (README, Serving)."""
+    small batched matmuls are faster there (README, Serving). They run in float32: torch's CPU batched matmul is
+    2-3x slower in bf16 at these sizes, and the cast of the cache costs less than that."""
     B, H, _, D = q.shape
     K = k.shape[1]
-    qg = q.view(B, K, H // K, D)  # (B, K, G, D): each kv head's group of G = H/K query heads
-    scores = (qg @ k.transpose(-2, -1)).float() / math.sqrt(D)  # (B, K, G, S)
+    qg = q.float().view(B, K, H // K, D)  # (B, K, G, D): each kv head's group of G = H/K query heads
+    scores = (qg @ k.float().transpose(-2, -1)) / math.sqrt(D)  # (B, K, G, S)
     scores = scores.masked_fill(~mask.reshape(-1, 1, 1, mask.shape[-1]), float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, K, G, S)
-    return (p @ v).view(B, H, 1, D)
+    p = torch.softmax(scores, dim=-1)  # (B, K, G, S)
+    return (p @ v.float()).view(B, H, 1, D).to(q.dtype)
 
 
 class Linear(nn.Linear):

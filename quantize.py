@@ -48,6 +48,11 @@ def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def pad_columns(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x (M, K) with zero columns up to k; x itself when K == k (F.pad copies even when it adds nothing)."""
+    return x if x.shape[-1] == k else F.pad(x, (0, k - x.shape[-1]))
+
+
 # ---- the quantization math, on plain tensors (what checkpoints store and the tests check) ----
 
 def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +159,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if int8_kernel(x.device) == "cpu":
-            x2 = F.pad(x2, (0, self.in_padded - self.in_features)).to(KERNEL_DTYPE)  # (M, K padded)
+            x2 = pad_columns(x2, self.in_padded).to(KERNEL_DTYPE)  # (M, K padded)
             y = int8pack_mm(x2.contiguous(), self.weight, self.scales.to(KERNEL_DTYPE))
             y = y.to(x.dtype)
         elif x.device.type == "cuda":
@@ -247,7 +252,7 @@ class Int4Linear(nn.Module):
         if self.kernel is None:
             y = F.linear(x2, self.dequantize().to(x.dtype))  # (M, N)
         else:
-            x2 = F.pad(x2, (0, self.in_padded - self.in_features))  # (M, K padded)
+            x2 = pad_columns(x2, self.in_padded)  # (M, K padded)
             y = self._kernel_mm(x2, self.scales_and_zeros)[:, :self.out_features]  # (M, N)
         return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
 

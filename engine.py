@@ -381,11 +381,10 @@ class Engine:
             self._fail(seq, e)
             return
         seq.tokens.append(token.id)
-        end = end_reason(token.id, len(seq.tokens) - seq.n_prompt, len(seq.tokens), seq.request.max_tokens,
-                         self.model.args.max_seq_len, self.tokenizer.eos_ids)
-        token.end = end
+        token.end = end_reason(token.id, len(seq.tokens) - seq.n_prompt, len(seq.tokens), seq.request.max_tokens,
+                               self.model.args.max_seq_len, self.tokenizer.eos_ids)
         piece = push_token(seq.text, token)
-        reason = finish_reason(end, seq.text)
+        reason = finish_reason(token.end, seq.text)
         if reason is None:
             self._emit(seq, piece, [token.id], None)
         else:

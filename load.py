@@ -19,7 +19,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from model import ModelArgs, Transformer
-from quantize import dequantize_state, mode_name, parse_mode, swap_linears
+from quantize import N_MULTIPLE, Int4Linear, dequantize_state, mode_name, parse_mode, swap_linears
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -51,18 +51,20 @@ def part_rows(args: ModelArgs, fused: str) -> list[int]:
     return [args.hidden_dim] * 2
 
 
-def fused_slot(name: str) -> tuple[str, int] | None:
-    """'layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj.weight', 1); None for other names."""
+def fused_slot(name: str) -> tuple[str, str, int] | None:
+    """'layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj.weight', 'self_attn.qkv_proj', 1):
+    the fused tensor's name, the FUSED key and the part's index; None for other names."""
     if not name.startswith("layers."):
         return None
-    layer, module, suffix = name.split(".", 2)[1], name.split(".", 2)[2].rsplit(".", 1)[0], name.rsplit(".", 1)[1]
+    _, layer, rest = name.split(".", 2)
+    module, suffix = rest.rsplit(".", 1)
     if module not in PART_OF:
         return None
     fused, i = PART_OF[module]
-    return f"layers.{layer}.{fused}.{suffix}", i
+    return f"layers.{layer}.{fused}.{suffix}", fused, i
 
 
-def row_dim(suffix: str, module: nn.Module) -> int:
+def row_dim(suffix: str) -> int:
     """The dimension of a linear's buffer that runs over output rows (int4 scales_and_zeros: (K/G, N, 2))."""
     return 1 if suffix == "scales_and_zeros" else 0
 
@@ -70,7 +72,7 @@ def row_dim(suffix: str, module: nn.Module) -> int:
 def join_parts(suffix: str, parts: list[torch.Tensor], rows: list[int], module: nn.Module) -> torch.Tensor:
     """One fused tensor from its parts' tensors: each cut to its rows (an int4 part is padded to 16 rows on
     disk), joined along the rows, and padded to the fused module's rows (zero codes and scales: zero weights)."""
-    dim = row_dim(suffix, module)
+    dim = row_dim(suffix)
     joined = torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, rows)], dim=dim)
     padded = getattr(module, "out_padded", sum(rows))
     if padded == joined.shape[dim]:
@@ -82,11 +84,11 @@ def join_parts(suffix: str, parts: list[torch.Tensor], rows: list[int], module: 
 def split_parts(suffix: str, t: torch.Tensor, rows: list[int], module: nn.Module) -> list[torch.Tensor]:
     """The inverse of join_parts, for writing checkpoints with the usual names: an int4 part padded to 16 rows,
     as an Int4Linear of its own shape stores it."""
-    dim, out = row_dim(suffix, module), []
+    dim, out = row_dim(suffix), []
     for start, n in zip([sum(rows[:i]) for i in range(len(rows))], rows):
         part = t.narrow(dim, start, n)
-        if hasattr(module, "out_padded") and n % 16:  # quantize.N_MULTIPLE
-            pad = [0, 0] * (t.dim() - 1 - dim) + [0, -n % 16]
+        if isinstance(module, Int4Linear) and n % N_MULTIPLE:
+            pad = [0, 0] * (t.dim() - 1 - dim) + [0, -n % N_MULTIPLE]
             part = nn.functional.pad(part, pad)
         out.append(part.contiguous())
     return out
@@ -128,10 +130,9 @@ class Joiner:
         slot = fused_slot(name)
         if slot is None:
             return name, value
-        fused_name, i = slot
+        fused_name, fused, i = slot
         parts = self.pending.setdefault(fused_name, {})
         parts[i] = value
-        fused = next(f for f in FUSED if f".{f}." in fused_name)
         if len(parts) < len(FUSED[fused]):
             return None, None
         del self.pending[fused_name]

@@ -120,10 +120,9 @@ def part_of(model, name: str) -> tuple[nn.Module, slice]:
     slot = fused_slot(name + ".weight")
     if slot is None:
         return model.get_submodule(name), slice(None)
-    fused, i = slot
-    fused = fused.removesuffix(".weight")
-    rows = part_rows(model.args, fused.split(".", 2)[2])
-    return model.get_submodule(fused), slice(sum(rows[:i]), sum(rows[:i + 1]))
+    fused_name, fused, i = slot
+    rows = part_rows(model.args, fused)
+    return model.get_submodule(fused_name.removesuffix(".weight")), slice(sum(rows[:i]), sum(rows[:i + 1]))
 
 
 def part_weight(model, name: str) -> torch.Tensor:
@@ -235,18 +234,23 @@ def test_native_codes_equal_the_files_dequantization(gguf_file, qtype, tied):
           f"2^-8 (|q-8||d| + |zero|), {worst_loose:.3f} of the per-block bound 2^-8 (8|d| + |zero|)")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_native_logits_equal_dequantize_then_matmul(gguf_file, qtype):
-    """The int4 kernel on the native codes equals a float model holding those codes' own dequantized weights,
-    within the kernel's bf16 rounding of activations and outputs: full forward and cached decode, fp32 model."""
-    path, _ = gguf_file(qtype)
-    native, _ = load_model(path, "cpu", torch.float32)
+def native_and_reference_logits(path: str, dtype: torch.dtype):
+    """(full, full_ref, decode, decode_ref) logits over 48 random tokens: the native model in `dtype`, and the fp32
+    dequantize-then-matmul reference on its codes; full forward and cached decode after a 16-token prefill."""
+    native, _ = load_model(path, "cpu", dtype)
     exact, _ = load_model(path, "cpu", torch.float32, quantize="none")
     ref = float_from_native(exact, native)
     tokens = torch.randint(0, 160, (48,), generator=torch.Generator().manual_seed(2)).tolist()
     full = native(torch.tensor([tokens]), torch.arange(48), all_logits=True)[0]
     full_ref = ref(torch.tensor([tokens]), torch.arange(48), all_logits=True)[0]
-    decode, decode_ref = cached_decode_logits(native, tokens, 16), cached_decode_logits(ref, tokens, 16)
+    return full, full_ref, cached_decode_logits(native, tokens, 16), cached_decode_logits(ref, tokens, 16)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_native_logits_equal_dequantize_then_matmul(gguf_file, qtype):
+    """The int4 kernel on the native codes equals a float model holding those codes' own dequantized weights,
+    within the kernel's bf16 rounding of activations and outputs: full forward and cached decode, fp32 model."""
+    full, full_ref, decode, decode_ref = native_and_reference_logits(gguf_file(qtype)[0], torch.float32)
     full_rel, decode_rel = max_rel(full, full_ref), max_rel(decode, decode_ref)
     # and the decode path is the full forward's (positions 15..47)
     assert (decode_ref - full_ref[15:]).abs().max() <= 1e-4
@@ -260,14 +264,7 @@ def test_native_logits_equal_dequantize_then_matmul(gguf_file, qtype):
 def test_native_bf16_model_close_to_float_reference(gguf_file, qtype):
     """A bf16 model on the native codes against the fp32 dequantize-then-matmul reference: bf16 everywhere
     (embedding, norms, residual stream) on top of the kernel's rounding."""
-    path, _ = gguf_file(qtype)
-    native, _ = load_model(path, "cpu", torch.bfloat16)
-    exact, _ = load_model(path, "cpu", torch.float32, quantize="none")
-    ref = float_from_native(exact, native)
-    tokens = torch.randint(0, 160, (48,), generator=torch.Generator().manual_seed(2)).tolist()
-    full = native(torch.tensor([tokens]), torch.arange(48), all_logits=True)[0]
-    full_ref = ref(torch.tensor([tokens]), torch.arange(48), all_logits=True)[0]
-    decode, decode_ref = cached_decode_logits(native, tokens, 16), cached_decode_logits(ref, tokens, 16)
+    full, full_ref, decode, decode_ref = native_and_reference_logits(gguf_file(qtype)[0], torch.bfloat16)
     full_rel, decode_rel = max_rel(full, full_ref), max_rel(decode, decode_ref)
     print(f"\n{qtype} bf16 model: logits vs fp32 reference, max |diff| / max |ref|: full {full_rel:.2e}, "
           f"cached decode {decode_rel:.2e}")

@@ -40,6 +40,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, qua
         torch.save({"logits": logits, "tokens": tokens, "shapes": local_shapes},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it (a rare SIGABRT in CI)
         dist.destroy_process_group()
 
 

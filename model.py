@@ -100,10 +100,10 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, D) by position. Half-rotation layout: dim i pairs with i + D/2
-    (Hugging Face's layout; load.py converts GGUF's interleaved q/k rows to it)."""
+    """Rotate (B, H, T, D) by position, with cos and sin (T, D/2), or (B, 1, T, D/2) with per-row positions, in x's
+    dtype. Half-rotation layout: dim i pairs with i + D/2 (Hugging Face's layout; load.py converts GGUF's
+    interleaved q/k rows to it)."""
     x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, D/2), or (B, 1, T, D/2) with per-row positions
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
@@ -123,12 +123,12 @@ def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     small batched matmuls are faster there (README, Serving). They run in float32: torch's CPU batched matmul is
     2-3x slower in bf16 at these sizes, and the cast of the cache costs less than that."""
     B, H, _, D = q.shape
-    K = k.shape[1]
-    qg = q.float().view(B, K, H // K, D)  # (B, K, G, D): each kv head's group of G = H/K query heads
-    scores = (qg @ k.float().transpose(-2, -1)) / math.sqrt(D)  # (B, K, G, S)
-    scores = scores.masked_fill(~mask.reshape(-1, 1, 1, mask.shape[-1]), float("-inf"))
-    p = torch.softmax(scores, dim=-1)  # (B, K, G, S)
-    return (p @ v.float()).view(B, H, 1, D).to(q.dtype)
+    K, S = k.shape[1], k.shape[2]
+    qg = q.float().reshape(B * K, H // K, D)  # (B*K, G, D): each kv head's group of G = H/K query heads
+    scores = torch.bmm(qg, k.float().reshape(B * K, S, D).transpose(1, 2)) / math.sqrt(D)  # (B*K, G, S)
+    scores = torch.where(mask.reshape(-1, 1, S), scores.view(B, H, S), float("-inf"))  # (B, H, S)
+    p = torch.softmax(scores, dim=-1).view(B * K, H // K, S)  # (B*K, G, S)
+    return torch.bmm(p, v.float().reshape(B * K, S, D)).view(B, H, 1, D).to(q.dtype)
 
 
 class Linear(nn.Linear):
@@ -172,12 +172,11 @@ class Attention(nn.Module):
 
     def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
-                                          self.n_kv_heads * self.head_dim], dim=-1)  # (B, T, H*D), (B, T, K*D) x 2
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qk, v = self.qkv_proj(x).split([(H + K) * D, K * D], dim=-1)  # (B, T, (H+K)*D), (B, T, K*D)
+        qk = apply_rope(qk.view(B, T, H + K, D).transpose(1, 2), cos, sin)  # (B, H+K, T, D): q and k in one go
+        q, k = qk.split([H, K], dim=1)  # (B, H, T, D), (B, K, T, D)
+        v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
         if cache is not None:
             k, v = cache.update(input_pos, k, v)  # (B, K, S, D): every slot, the mask hides unwritten ones
         if T == 1 and q.device.type == "cpu":
@@ -252,7 +251,8 @@ class Transformer(nn.Module):
         every cached position; without one, only these T tokens.
         Returns float32 logits (B, T, V), or (B, 1, V) for the last position unless all_logits."""
         x = self.embed_tokens(tokens)  # (B, T, C)
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, D/2) or (B, T, D/2)
+        # computed in float32, rounded to the activations' dtype once for every layer (as transformers does)
+        cos, sin = self.rope_cos[input_pos].to(x.dtype), self.rope_sin[input_pos].to(x.dtype)  # (T, D/2) or (B, T, D/2)
         k_pos = input_pos if cache is None else torch.arange(cache.max_seq_len, device=tokens.device)
         mask = attention_mask(input_pos, k_pos, self.args.sliding_window)  # (T, S) or (B, T, S)
         if input_pos.dim() == 2:

@@ -215,7 +215,7 @@ class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int, top_k: int):
         super().__init__()
         self.top_k = top_k
-        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        self.weight = nn.Parameter(torch.randn(n_experts, dim) / math.sqrt(dim))  # varied routing for random runs
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (M, C) -> float32 weights (M, k) summing to 1 and expert ids (M, k), as transformers computes them:

@@ -87,10 +87,11 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def write_mixtral_gguf(path, hf, linear_type: str = "F32", drop: str | None = None) -> str:
+def write_mixtral_gguf(path, hf, linear_type: str = "F32", drop: str | None = None, per_expert: bool = False) -> str:
     """`hf` as llama.cpp writes a Mixtral: llama architecture with expert_count / expert_used_count, the router as
     ffn_gate_inp (F32) and each layer's experts stacked as ffn_{gate,up,down}_exps (E, rows, columns); the
-    attention and expert linears in linear_type; `drop` leaves that tensor out."""
+    attention and expert linears in linear_type; `drop` leaves that tensor out. per_expert: the older files' one
+    tensor per expert, `blk.N.ffn_{gate,up,down}.E.weight`."""
     import gguf
 
     cfg = hf.config
@@ -124,6 +125,10 @@ def write_mixtral_gguf(path, hf, linear_type: str = "F32", drop: str | None = No
             if kind in ("attn_q", "attn_k"):
                 w = llama_cpp_permute(w, cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads)
             tensors[f"blk.{parts[1]}.{kind}.weight"] = w
+    if per_expert:
+        for name in [n for n in tensors if "_exps" in n]:
+            stacked = tensors.pop(name)
+            tensors.update({name.replace("_exps", f".{e}"): stacked[e] for e in range(len(stacked))})
     for name, w in tensors.items():
         if name == drop:
             continue
@@ -139,8 +144,9 @@ def write_mixtral_gguf(path, hf, linear_type: str = "F32", drop: str | None = No
     return str(path)
 
 
-def test_gguf_same_weights_same_tokens(hf, ours, tmp_path):
-    path = write_mixtral_gguf(tmp_path / "mixtral.gguf", hf)
+@pytest.mark.parametrize("per_expert", [False, True])
+def test_gguf_same_weights_same_tokens(hf, ours, tmp_path, per_expert):
+    path = write_mixtral_gguf(tmp_path / "mixtral.gguf", hf, per_expert=per_expert)
     model, _ = load_model(path, "cpu", torch.float32)
     assert (model.args.n_experts, model.args.n_experts_per_token) == (8, 2)
     toks = tokens()

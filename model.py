@@ -247,7 +247,7 @@ class MoE(nn.Module):
         # once, for all of its tokens (at most all E; a batch of one-token rows reads about E(1 - (1 - k/E)^M)).
         out = torch.zeros(rows.shape, dtype=torch.float32, device=x.device)  # (M, C)
         for e in ids.unique().tolist():
-            token, slot = torch.where(ids == e)  # (n,) each: the rows routed to expert e, and at which rank
+            token, slot = torch.where(ids == e)  # (n,) each: the rows routed to e, and which of their k picks
             y = self.experts[e](rows[token]).float() * weights[token, slot, None]  # (n, C)
             out.index_add_(0, token, y)
         return out.to(x.dtype).view(x.shape)

@@ -7,6 +7,9 @@ compute-bound. bench.py measures this machine's bandwidth itself and reports how
   python bench.py --model M [--dtype bfloat16] [--compile] [--batch-size 1] [--prompt-len 32] [--new-tokens 128]
   python bench.py --shape llama-2-7b --device cuda --compile      # random weights, no download
   python bench.py --plan --shape llama-2-7b [--memory-gib 80] [--context 4096]
+
+A mixture of experts (Mixtral) holds all E experts in memory but a batch-1 decode step reads only the k its token
+is routed to: its decode ceiling comes from those active bytes, its memory plan from all of them.
 """
 import argparse
 import json
@@ -35,14 +38,20 @@ SHAPES = {
                             rope_theta=500000.0, max_seq_len=8192),
     "mistral-7b": ModelArgs(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
                             max_seq_len=32768, rope_theta=1000000.0),
+    "mixtral-8x7b": ModelArgs(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+                              max_seq_len=32768, rope_theta=1000000.0, n_experts=8, n_experts_per_token=2),
 }
 BYTES_PER_WEIGHT = {"fp32": 4, "bf16/fp16": 2, "int8": 1, "int4": 0.5}
 GiB, KiB = 1024**3, 1024
 
 
-def param_count(args: ModelArgs) -> int:
+def param_count(args: ModelArgs, active: bool = False) -> int:
+    """All parameters, or with active those a batch-1 decode step reads (a mixture of experts: k of its E experts
+    per layer, and the whole router)."""
     attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)  # q, o and k, v
     mlp = 3 * args.dim * args.hidden_dim
+    if args.n_experts is not None:
+        mlp = (args.n_experts_per_token if active else args.n_experts) * mlp + args.n_experts * args.dim
     norms = (2 * args.n_layers + 1) * args.dim
     embeddings = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
     return args.n_layers * (attn + mlp) + norms + embeddings
@@ -56,22 +65,29 @@ def kv_bytes_per_token(args: ModelArgs, bytes_per_value: float) -> float:
 def plan(args: ModelArgs, name: str, memory_gib: float, context: int, bandwidth_gbs: float, peak_tflops: float,
          kv_bytes: float) -> str:
     """The seeds' arithmetic: what fits in memory_gib, and where decode stops being bandwidth-bound."""
-    n = param_count(args)
+    n, active = param_count(args), param_count(args, active=True)
     kv_token = kv_bytes_per_token(args, kv_bytes)
     lines = [f"capacity plan: {name}, {n / 1e9:.2f} B parameters, memory {memory_gib:g} GiB, context {context}, "
-             f"bandwidth {bandwidth_gbs:g} GB/s, peak {peak_tflops:g} TFLOP/s, KV cache {kv_bytes:g} bytes/value",
-             f"KV cache: {kv_token / KiB:g} KiB/token, {kv_token * context / GiB:.3g} GiB per sequence at "
-             f"{context} tokens",
-             f"{'weights':>10} {'GiB':>8} {'max seqs':>9} {'decode ceiling tok/s (B=1)':>27} {'compute-bound at B':>19}"]
+             f"bandwidth {bandwidth_gbs:g} GB/s, peak {peak_tflops:g} TFLOP/s, KV cache {kv_bytes:g} bytes/value"]
+    if args.n_experts is not None:
+        lines.append(f"mixture of experts: a batch-1 decode step reads {args.n_experts_per_token} of "
+                     f"{args.n_experts} experts per layer, {active / 1e9:.2f} B active parameters "
+                     f"({100 * active / n:.1f}%); the decode ceiling is from the active bytes")
+    lines += [f"KV cache: {kv_token / KiB:g} KiB/token, {kv_token * context / GiB:.3g} GiB per sequence at "
+              f"{context} tokens",
+              f"{'weights':>10} {'GiB':>8} {'max seqs':>9} {'decode ceiling tok/s (B=1)':>27} "
+              f"{'compute-bound at B':>19}" + (f" {'active GiB':>11}" if active != n else "")]
     for precision, bpw in BYTES_PER_WEIGHT.items():
         weight_bytes = n * bpw
         free = memory_gib * GiB - weight_bytes
         max_seqs = max(0, int(free // (kv_token * context)))
-        ceiling = bandwidth_gbs * 1e9 / weight_bytes  # every weight read once per step
-        # Each step does 2 FLOPs per weight per sequence; it turns compute-bound when that takes longer
-        # than reading the weights: B > peak FLOP/s x bytes per weight / (2 x bandwidth).
-        crossover = peak_tflops * 1e12 * bpw / (2 * bandwidth_gbs * 1e9)
-        lines.append(f"{precision:>10} {weight_bytes / GiB:8.2f} {max_seqs:9d} {ceiling:27.1f} {crossover:19.0f}")
+        ceiling = bandwidth_gbs * 1e9 / (active * bpw)  # every active weight read once per step
+        # Each step does 2 FLOPs per active weight per sequence; it turns compute-bound when that takes longer
+        # than reading the weights: B > peak FLOP/s x bytes per weight / (2 x bandwidth), times total / active
+        # for a mixture of experts, whose batches that large route tokens to every expert (all weights read).
+        crossover = peak_tflops * 1e12 * bpw / (2 * bandwidth_gbs * 1e9) * n / active
+        lines.append(f"{precision:>10} {weight_bytes / GiB:8.2f} {max_seqs:9d} {ceiling:27.1f} {crossover:19.0f}"
+                     + (f" {active * bpw / GiB:11.2f}" if active != n else ""))
     return "\n".join(lines)
 
 
@@ -108,9 +124,21 @@ def prefill_flops(args: ModelArgs, tokens: int) -> float:
     the embedding is a lookup) plus causal attention's q k^T and p v (2 x 2 x H x D per query-key pair)."""
     embedding_lookup = 0 if args.tie_embeddings else args.vocab_size * args.dim
     norms = (2 * args.n_layers + 1) * args.dim
-    linear = param_count(args) - embedding_lookup - norms
+    linear = param_count(args, active=True) - embedding_lookup - norms  # a token goes through k experts
     pairs = tokens * (tokens + 1) / 2  # causal: query i sees keys 0..i
     return 2 * linear * tokens + 4 * args.n_layers * args.n_heads * args.head_dim * pairs
+
+
+def step_weight_bytes(model, batch_size: int) -> float:
+    """Weight bytes a decode step of batch_size one-token rows reads: all of a dense model's; of a mixture of
+    experts, those of the experts its rows are routed to: k per layer for one row, and for more the expected
+    number of distinct experts under uniform routing, E (1 - (1 - k/E)^B) (an estimate: real routers are not)."""
+    args = model.args
+    if args.n_experts is None:
+        return weight_bytes(model)
+    E, k = args.n_experts, args.n_experts_per_token
+    one_expert = sum(weight_bytes(layer.mlp.experts[0]) for layer in model.layers)  # one expert of every layer
+    return weight_bytes(model) - (E - E * (1 - (1 - k / E) ** batch_size)) * one_expert
 
 
 def sync(device: torch.device) -> None:
@@ -152,7 +180,7 @@ def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs
     ttft = statistics.median(r["ttft"] for r in results)
     tpot = statistics.median(r["tpot"] for r in results)
     wbytes = weight_bytes(model)
-    step_bytes = wbytes + results[0]["cache_bytes"]  # the static cache is read whole every step
+    step_bytes = step_weight_bytes(model, batch_size) + results[0]["cache_bytes"]  # the static cache: read whole
     prefill_tflops = batch_size * prefill_flops(model.args, prompt_len) / ttft / 1e12
     return {
         "batch_size": batch_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs,

@@ -58,6 +58,10 @@ def compiled_step(model: Transformer, prefill: bool = False) -> StepFn:
     GEMV as a fused reduction that casts the int8 weight in registers (cuBLAS's GEMV stays the better one for bf16).
     prefill: compile the multi-token forwards too, with the token count (and cache size) symbolic so that a new
     prompt length does not recompile."""
+    if model.args.n_experts is not None:
+        # Which experts run depends on the router's output, and each expert is its own module (so quantization
+        # and tensor parallelism treat it as a dense MLP): a graph cannot pick a module by a computed index.
+        raise ValueError("--compile does not support mixture-of-experts models (Mixtral); run without --compile")
     options = None
     if model.embed_tokens.weight.device.type == "cuda":
         int8 = any(isinstance(m, Int8Linear) for m in model.modules())

@@ -24,14 +24,16 @@ OUT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_co
 
 
 def hf_config(args) -> dict:
-    """A Hugging Face LlamaForCausalLM config.json for ModelArgs (e.g. from a GGUF file)."""
+    """A Hugging Face LlamaForCausalLM (or MixtralForCausalLM) config.json for ModelArgs (e.g. from a GGUF file)."""
     if args.rope_freq_factors is not None:
         raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
                          "cannot express; save from the Hugging Face checkpoint instead")
     if args.sliding_window is not None:
         raise ValueError("sliding-window models are saved from their Hugging Face folder, not from GGUF")
+    moe = args.n_experts is not None
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args.vocab_size,
+        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"], "model_type": "mixtral" if moe
+        else "llama", "vocab_size": args.vocab_size,
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "intermediate_size": args.hidden_dim,
         "hidden_act": "silu", "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
@@ -40,6 +42,8 @@ def hf_config(args) -> dict:
     }
     if args.rope_scaling:
         cfg["rope_scaling"] = dict(args.rope_scaling)
+    if moe:
+        cfg.update(num_local_experts=args.n_experts, num_experts_per_tok=args.n_experts_per_token)
     return cfg
 
 

@@ -8,11 +8,17 @@ Quantization happens here too, tensor by tensor, so the full-precision model nev
 `load_model(..., quantize="int4:64")` quantizes each linear weight as it is read; a folder written by
 `export.py` (quantization recorded in its safetensors metadata) is rebuilt with the same modules; a GGUF file's
 Q4_0/Q4_1 linears load as int4 codes as they are.
+
+Mixtral's experts are one module per expert (model.MoE), named `layers.N.mlp.experts.E.{gate,up,down}_proj`
+here whatever the file's layout: the original per-expert `block_sparse_moe.experts.E.w1/w3/w2`, transformers 5's
+stacked `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (E, rows, columns), or GGUF's stacked
+`ffn_{gate,up,down}_exps`. A stacked tensor is read one expert at a time.
 """
 import ctypes
 import json
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -35,7 +41,11 @@ GGUF_BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # Mixtral's router
 }
+GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # (E, N, K)
+# Mixtral's original per-expert names -> ours (w1 gate, w3 up, w2 down, as the Mixtral paper's SwiGLU names them).
+HF_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 # The model's fused linears and the checkpoint tensors they join, in row order (model.Attention, model.MLP).
@@ -51,17 +61,26 @@ def part_rows(args: ModelArgs, fused: str) -> list[int]:
     return [args.hidden_dim] * 2
 
 
+def module_key(module: str) -> tuple[str, str]:
+    """A block module's name as FUSED / PART_OF spell it, and the expert prefix it had: an expert's linears fuse
+    as the dense MLP's do. 'mlp.experts.5.up_proj' -> ('mlp.up_proj', 'experts.5.'); 'mlp.up_proj' -> (.., '')."""
+    m = re.match(r"mlp\.(experts\.\d+\.)", module)
+    return (module, "") if m is None else ("mlp." + module[m.end():], m.group(1))
+
+
 def fused_slot(name: str) -> tuple[str, str, int] | None:
     """'layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj.weight', 'self_attn.qkv_proj', 1):
-    the fused tensor's name, the FUSED key and the part's index; None for other names."""
+    the fused tensor's name, the FUSED key and the part's index; None for other names. An expert's part
+    ('layers.3.mlp.experts.5.up_proj.weight') goes to its own expert's fused tensor."""
     if not name.startswith("layers."):
         return None
     _, layer, rest = name.split(".", 2)
     module, suffix = rest.rsplit(".", 1)
-    if module not in PART_OF:
+    key, expert = module_key(module)
+    if key not in PART_OF:
         return None
-    fused, i = PART_OF[module]
-    return f"layers.{layer}.{fused}.{suffix}", fused, i
+    fused, i = PART_OF[key]
+    return f"layers.{layer}.{fused.replace('mlp.', 'mlp.' + expert)}.{suffix}", fused, i
 
 
 def row_dim(suffix: str) -> int:
@@ -102,13 +121,14 @@ def checkpoint_state(model: Transformer) -> dict[str, torch.Tensor]:
         if model.args.tie_embeddings and name == ("lm_head.weight" if isinstance(model.lm_head, nn.Linear)
                                                   else "embed_tokens.weight"):
             continue
-        fused = next((f for f in FUSED if f".{f}." in name), None)
-        if fused is None:
+        module_name, suffix = name.rsplit(".", 1)
+        fused, expert = module_key(module_name.split(".", 2)[2]) if name.startswith("layers.") else ("", "")
+        if fused not in FUSED:
             state[name] = t
             continue
-        module_name, suffix = name.rsplit(".", 1)
         pieces = split_parts(suffix, t, part_rows(model.args, fused), model.get_submodule(module_name))
-        state.update({name.replace(fused, part): piece for part, piece in zip(FUSED[fused], pieces)})
+        layer = module_name.rsplit(".", 1)[0] + "."  # 'layers.3.mlp.' or 'layers.3.mlp.experts.5.'
+        state.update({layer + part.split(".")[-1] + "." + suffix: piece for part, piece in zip(FUSED[fused], pieces)})
     return state
 
 
@@ -293,6 +313,36 @@ def read_quantization(file: str) -> dict[str, str] | None:
     return {k: meta[k] for k in ("quantization", "group_size", "quantize_head")} if "quantization" in meta else None
 
 
+def hf_tensor_names(key: str, shape: tuple[int, ...]) -> list[tuple[str, tuple, tuple | None]]:
+    """The tensors a safetensors key holds, under our checkpoint names: [(name, shape, pick)], pick None for the
+    tensor itself or (expert, first row, rows) of a stacked (E, N, K) expert tensor. Mixtral's per-expert
+    `block_sparse_moe.experts.E.w1` is `mlp.experts.E.gate_proj`; transformers 5's stacked `mlp.experts.gate_up_proj`
+    (E, 2F, C) is E gate_proj and E up_proj tensors (joined again into each expert's gate_up_proj)."""
+    name = key.removeprefix("model.")
+    m = re.fullmatch(r"(layers\.\d+\.)block_sparse_moe\.(experts\.\d+\.)(w[123])(\.weight)", name)
+    if m:
+        return [(m[1] + "mlp." + m[2] + HF_EXPERT_NAMES[m[3]] + m[4], tuple(shape), None)]
+    name = re.sub(r"^(layers\.\d+\.)block_sparse_moe\.gate\.", r"\1mlp.gate.", name)
+    m = re.fullmatch(r"(layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)", name)
+    if m is None or len(shape) != 3:
+        return [(name, tuple(shape), None)]
+    E, N, K = shape
+    if m[2] == "down_proj":
+        return [(f"{m[1]}{e}.down_proj.weight", (N, K), (e, 0, N)) for e in range(E)]
+    F = N // 2  # rows gate | up
+    return [(f"{m[1]}{e}.{part}.weight", (F, K), (e, i * F, F)) for e in range(E) for i, part in
+            enumerate(("gate_proj", "up_proj"))]
+
+
+def read_hf_tensor(handle, key: str, pick: tuple | None, name: str, shard, full_args: ModelArgs) -> torch.Tensor:
+    """The tensor `name` from a safetensors file (with a shard: only this rank's slice); pick as hf_tensor_names."""
+    if pick is None:
+        return shard.read(name, handle.get_slice(key), full_args) if shard else handle.get_tensor(key)
+    e, start, n = pick
+    t = handle.get_slice(key)[e:e + 1, start:start + n][0]  # (n, K): one expert's rows of the stacked tensor
+    return shard.take(name, t, full_args) if shard else t
+
+
 def read_json(path: str) -> dict:
     try:
         with open(path) as f:
@@ -340,7 +390,8 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
         try:
             handles[file] = safe_open(full, framework="pt", device="cpu")
             for key in handles[file].keys():
-                found[key.removeprefix("model.")] = (file, key, handles[file].get_slice(key).get_shape())
+                for name, shape, pick in hf_tensor_names(key, handles[file].get_slice(key).get_shape()):
+                    found[name] = (file, key, shape, pick)
         except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
             raise ValueError(f"cannot read safetensors file {full!r}: {e}") from None
     shapes = {k: shard.local_shape(k, v[2], full_args) if shard else v[2] for k, v in found.items()}
@@ -348,9 +399,9 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
     convert, filled = quantizer(model, None if quantize == "none" else quantize, quantize_head)
 
     state, joiner = {}, Joiner(model)
-    for name, (file, key, _) in tqdm(found.items(), desc="loading", disable=not progress, unit="tensor"):
+    for name, (file, key, _, pick) in tqdm(found.items(), desc="loading", disable=not progress, unit="tensor"):
         try:
-            t = shard.read(name, handles[file].get_slice(key), full_args) if shard else handles[file].get_tensor(key)
+            t = read_hf_tensor(handles[file], key, pick, name, shard, full_args)
         except Exception as e:
             raise ValueError(f"cannot read tensor {key!r} from {file!r}: {e}") from None
         name, t = joiner.add(name, t)  # q/k/v and gate/up parts become one tensor
@@ -387,6 +438,7 @@ def gguf_args(reader) -> ModelArgs:
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": gguf_value(reader, "llama.rope.scaling.factor")}
     vocab = gguf_value(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    n_experts = gguf_value(reader, "llama.expert_count", 0) or None  # Mixtral: > 0
     return ModelArgs(
         vocab_size=vocab,
         dim=dim,
@@ -400,14 +452,44 @@ def gguf_args(reader) -> ModelArgs:
         rope_scaling=rope_scaling,
         max_seq_len=gguf_value(reader, "llama.context_length", 4096),
         tie_embeddings="output.weight" not in names,  # llama.cpp drops the head of tied models
+        n_experts=n_experts,
+        n_experts_per_token=gguf_value(reader, "llama.expert_used_count", 2) if n_experts else 2,
     )
 
 
+@dataclass
+class ExpertSlice:
+    """One expert's (N, K) matrix of a GGUF tensor that stacks all E experts, read as gguf_int4 and
+    gguf_dequantize read a reader tensor: its data rows and block type."""
+    data: object  # numpy rows (N, K) or (N, bytes per row) of one expert
+    tensor_type: object
+
+
+def gguf_tensors(reader) -> tuple[dict, dict[str, tuple]]:
+    """The file's tensors under our names ({name: reader tensor or ExpertSlice}) and their torch shapes: a stacked
+    `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C)."""
+    tensors, shapes = {}, {}
+    for t in reader.tensors:
+        shape = tuple(reversed(t.shape.tolist()))  # GGUF lists dimensions fastest-first; torch the reverse
+        parts = t.name.split(".")
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_EXPERT_NAMES and len(shape) == 3:
+            for e in range(shape[0]):
+                name = f"layers.{parts[1]}.mlp.experts.{e}.{GGUF_EXPERT_NAMES[parts[2]]}.{parts[3]}"
+                tensors[name], shapes[name] = ExpertSlice(t.data[e], t.tensor_type), shape[1:]
+            continue
+        name = gguf_tensor_name(t.name)
+        tensors[name], shapes[name] = t, shape
+    return tensors, shapes
+
+
 def gguf_tensor_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `layers.3.self_attn.q_proj.weight`; unknown names pass through (and fail the check)."""
+    """`blk.3.attn_q.weight` -> `layers.3.self_attn.q_proj.weight`; unknown names pass through (and fail the check).
+    Mixtral GGUFs from before llama.cpp stacked the experts name each one: `blk.3.ffn_up.5.weight`."""
     parts = gguf_name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BLOCK_NAMES:
         return f"layers.{parts[1]}.{GGUF_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 5 and parts[2] in ("ffn_gate", "ffn_up", "ffn_down") and parts[3].isdigit():
+        return f"layers.{parts[1]}.mlp.experts.{parts[3]}.{parts[2].removeprefix('ffn_')}_proj.{parts[4]}"
     if len(parts) == 2 and parts[0] in GGUF_TOP_NAMES:
         return f"{GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
     return gguf_name
@@ -474,17 +556,15 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
     except (ValueError, OSError, IndexError) as e:  # IndexError: the file ends inside its metadata
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from None
     full_args = gguf_args(reader)
-    tensors = {gguf_tensor_name(t.name): t for t in reader.tensors}
+    tensors, full_shapes = gguf_tensors(reader)
     rope_freqs = tensors.pop("rope_freqs.weight", None)  # Llama 3.1 GGUFs: per-frequency rope divisors
+    full_shapes.pop("rope_freqs.weight", None)
     if rope_freqs is not None:
         full_args.rope_freq_factors = tuple(float(x) for x in rope_freqs.data)
     args = shard.args(full_args) if shard else full_args
     with torch.device("meta"):
         model = Transformer(args)
-    # GGUF lists dimensions fastest-first; torch shapes are the reverse.
-    shapes = {k: tuple(reversed(t.shape.tolist())) for k, t in tensors.items()}
-    if shard:
-        shapes = {k: shard.local_shape(k, v, full_args) for k, v in shapes.items()}
+    shapes = {k: shard.local_shape(k, v, full_args) for k, v in full_shapes.items()} if shard else full_shapes
     check_tensors(checkpoint_shapes(model), shapes, path)
     reader.fields.clear()  # the metadata (the vocabulary: ~100k small arrays, ~100 MB) is read; free it
     # A shard slices dequantized tensors; a quantized head is quantized from the dequantized embedding.
@@ -496,7 +576,7 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
 
     state, joiner = {}, Joiner(model)
     for name, t in tqdm(tensors.items(), desc="loading", disable=not progress, unit="tensor"):
-        shape = tuple(reversed(t.shape.tolist()))
+        shape = full_shapes[name]
         heads = full_args.n_heads if "q_proj" in name else full_args.n_kv_heads
         if native is not None and t.tensor_type.name in GGUF_INT4 and "_proj." in name:
             codes, scales, zeros = gguf_int4(t, shape)

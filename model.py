@@ -1,8 +1,9 @@
-"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, SmolLM2) in plain PyTorch.
+"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2) in plain PyTorch.
 
 Shape legend used in the comments:
   B batch, T tokens in this call, S key positions (cache length), C model width,
-  H query heads, K key/value heads (GQA: H is a multiple of K), D head dim, V vocab.
+  H query heads, K key/value heads (GQA: H is a multiple of K), D head dim, V vocab,
+  M = B x T token rows, E experts (Mixtral), k experts per token, F one MLP's (or expert's) width.
 Loading and converting checkpoints lives in load.py; the KV cache in kvcache.py.
 """
 import math
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from kvcache import KVCache, LayerKVCache
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -25,7 +26,7 @@ class ModelArgs:
     dim: int
     n_layers: int
     n_heads: int
-    hidden_dim: int  # width of the SwiGLU MLP
+    hidden_dim: int  # width of the SwiGLU MLP (Mixtral: of each expert)
     n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
     head_dim: int | None = None  # None: dim // n_heads
     norm_eps: float = 1e-5
@@ -35,6 +36,8 @@ class ModelArgs:
     max_seq_len: int = 4096  # the model's context length
     sliding_window: int | None = None  # Mistral: a query sees only the last `sliding_window` keys
     tie_embeddings: bool = False
+    n_experts: int | None = None  # Mixtral: a sparse mixture of SwiGLU experts per layer; None: one dense MLP
+    n_experts_per_token: int = 2  # Mixtral: experts each token is routed to (top-k)
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -45,10 +48,12 @@ class ModelArgs:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        if self.n_experts is not None and not 1 <= self.n_experts_per_token <= self.n_experts:
+            raise ValueError(f"{self.n_experts_per_token} experts per token is not within 1..{self.n_experts} experts")
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        """Fill from a Hugging Face config.json (LlamaForCausalLM or MistralForCausalLM)."""
+        """Fill from a Hugging Face config.json (LlamaForCausalLM, MistralForCausalLM or MixtralForCausalLM)."""
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
         if archs[0] not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(ARCHITECTURES)}")
@@ -60,6 +65,7 @@ class ModelArgs:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        moe = archs[0] == "MixtralForCausalLM"
         return cls(
             vocab_size=cfg["vocab_size"],
             dim=cfg["hidden_size"],
@@ -72,8 +78,10 @@ class ModelArgs:
             rope_theta=rope_theta,
             rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
             max_seq_len=cfg.get("max_position_embeddings", 4096),
-            sliding_window=cfg.get("sliding_window") if archs[0] == "MistralForCausalLM" else None,
+            sliding_window=cfg.get("sliding_window") if archs[0] != "LlamaForCausalLM" else None,
             tie_embeddings=cfg.get("tie_word_embeddings", False),
+            n_experts=cfg.get("num_local_experts", 8) if moe else None,
+            n_experts_per_token=cfg.get("num_experts_per_tok", 2) if moe else 2,
         )
 
 
@@ -199,13 +207,58 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
+class Router(nn.Module):
+    """Mixtral's gate: which k of the E experts each token goes to, and with what weights. Not a Linear, so
+    quantization leaves it in model precision (a few E x C weights; a flipped choice would change the output)."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.randn(n_experts, dim) / math.sqrt(dim))  # varied routing for random runs
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (M, C) -> float32 weights (M, k) summing to 1 and expert ids (M, k), as transformers computes them:
+        softmax over all E logits in float32, the top k, renormalized."""
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)  # (M, E)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (M, k) each
+        return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+class MoE(nn.Module):
+    """Mixtral's sparse mixture of experts: each token runs through k of the E SwiGLU experts, weighted by the
+    router. The experts are plain MLPs (one module each), so quantization and tensor parallelism treat them as
+    they treat the dense MLP. Expert selection depends on the data: no torch.compile (decode.compiled_step)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = Router(args.dim, args.n_experts, args.n_experts_per_token)
+        self.experts = nn.ModuleList(MLP(args) for _ in range(args.n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # (M, C)
+        weights, ids = self.gate(rows)  # (M, k) each
+        if rows.shape[0] == 1:
+            # A batch-1 decode step: only the k selected experts run, so it reads k of the E experts' weights
+            # (Mixtral-8x7B: 2 of 8, about 13 B of its 47 B parameters with attention and embeddings).
+            y = sum(w * self.experts[e](rows).float() for w, e in zip(weights[0], ids[0].tolist()))  # (1, C)
+            return y.to(x.dtype).view(x.shape)
+        # Prefill and batches: tokens grouped by expert; each expert that received any token reads its weights
+        # once, for all of its tokens (at most all E; a batch of one-token rows reads about E(1 - (1 - k/E)^M)).
+        out = torch.zeros(rows.shape, dtype=torch.float32, device=x.device)  # (M, C)
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)  # (n,) each: the rows routed to e, and which of their k picks
+            y = self.experts[e](rows[token]).float() * weights[token, slot, None]  # (n, C)
+            out.index_add_(0, token, y)
+        return out.to(x.dtype).view(x.shape)
+
+
 class Block(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args) if args.n_experts is None else MoE(args)
         # Tensor parallel (tp.py): this rank's o_proj / down_proj outputs are partial sums; this adds them up.
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 

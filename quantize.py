@@ -327,7 +327,7 @@ def dequantize_state(module: nn.Module, state: dict[str, torch.Tensor], prefix: 
 def quantization_of(model: nn.Module) -> dict[str, str] | None:
     """{'quantization': 'int8' | 'int4', 'group_size': ..., 'quantize_head': 'true' | 'false'} as stored in
     a checkpoint's safetensors metadata, read off the model's modules; None for a float model."""
-    block = model.layers[0].mlp.down_proj
+    block = model.layers[0].self_attn.o_proj  # every model has one (a Mixtral block has no dense MLP)
     if isinstance(block, nn.Linear):
         return None
     group = str(block.group_size) if isinstance(block, Int4Linear) else ""

@@ -6,7 +6,10 @@ Each block is split Megatron-style. q/k/v and the MLP's gate/up projections are 
 (column-parallel): rank r computes its own heads and its own slice of the MLP's hidden units, with no
 communication. o_proj and down_proj are split by input columns (row-parallel): each rank's product is a partial
 sum of the full output, so one all-reduce after the attention and one after the MLP make every rank's hidden
-state whole again. Two all-reduces of B x T x C values per block, so tensor parallelism belongs inside a node.
+state whole again. A Mixtral expert is split exactly like the dense MLP (its names end in gate_proj/up_proj/
+down_proj); the router is replicated, so every rank picks the same experts, and the weighted sum of the experts'
+partial sums is the partial sum of the weighted sum: the one all-reduce after the MLP still suffices.
+Two all-reduces of B x T x C values per block, so tensor parallelism belongs inside a node.
 
 A rank's shard is just a smaller model: ModelArgs with H/N query heads, K/N kv heads (or one replicated kv head
 when K < N) and hidden_dim/N, so its KV cache holds only its own kv heads. Embedding, norms and the LM head are

@@ -5,7 +5,7 @@ import math
 import torch
 
 from decode import generate
-from load import join_state
+from load import hf_tensor_names, join_state
 from model import ModelArgs, Transformer
 from sample import SamplingParams
 
@@ -19,15 +19,22 @@ CONFIGS = {
     "llama-linear-rope": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
     "mistral-window": ("mistral", dict(sliding_window=16)),
+    # Mixtral: several expert counts and top-k, GQA, the sliding window set and unset
+    "mixtral-8x2": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "mixtral-4x1-window": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=1, num_key_value_heads=1,
+                                           sliding_window=16)),
+    "mixtral-6x3-window": ("mixtral", dict(num_local_experts=6, num_experts_per_tok=3, head_dim=24,
+                                           sliding_window=24)),
 }
 
 
 def make_hf(name: str, seed: int = 0):
     """A random fp32 transformers model for CONFIGS[name]."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    import transformers
 
     family, extra = CONFIGS[name]
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (MistralConfig, MistralForCausalLM)
+    prefix = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral"}[family]
+    config_cls, model_cls = getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
     kw = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
               initializer_range=0.1)  # larger than the default so logits are O(1) and differences show
@@ -37,11 +44,15 @@ def make_hf(name: str, seed: int = 0):
 
 
 def hf_to_ours(hf) -> Transformer:
-    """Copy a transformers model's weights into ours (strict)."""
+    """Copy a transformers model's weights into ours (strict). Mixtral's stacked experts (transformers 5 holds
+    them as (E, rows, columns) tensors) are named per expert as load.py names them."""
     cfg = hf.config.to_dict()
     cfg["architectures"] = [type(hf).__name__]
     model = Transformer(ModelArgs.from_hf_config(cfg)).eval()
-    state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    state = {}
+    for key, t in hf.state_dict().items():
+        for name, _, pick in hf_tensor_names(key, tuple(t.shape)):
+            state[name] = t if pick is None else t[pick[0], pick[1]:pick[1] + pick[2]]
     model.load_state_dict(join_state(model, state), strict=True)
     return model
 

@@ -7,6 +7,7 @@ compute-bound. bench.py measures this machine's bandwidth itself and reports how
   python bench.py --model M [--dtype bfloat16] [--compile] [--batch-size 1] [--prompt-len 32] [--new-tokens 128]
   python bench.py --shape llama-2-7b --device cuda --compile      # random weights, no download
   python bench.py --plan --shape llama-2-7b [--memory-gib 80] [--context 4096]
+  python bench.py --json-schema schema.json --batch-size 1 16    # + what structured output's masking costs a step
 
 A mixture of experts (Mixtral) holds all E experts in memory but a batch-1 decode step reads only the k its token
 is routed to: its decode ceiling comes from those active bytes, its memory plan from all of them.
@@ -192,6 +193,35 @@ def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs
     }
 
 
+@torch.no_grad()
+def mask_cost(grammar, vocab_size: int, batch_size: int, steps: int, device) -> dict:
+    """Seconds per decode step that structured output adds: the masks of batch_size rows (decode.sample_tokens: one
+    call for the batch; the engine: one per row) and the matchers taking their tokens. The rows walk the grammar
+    along one path of random allowed tokens (seeded), starting over when it is complete."""
+    from grammar import advance, mask_logits
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch_size, vocab_size, generator=generator).to(device)  # (B, V)
+    times = {"batched": 0.0, "per_row": 0.0}
+    for mode in times:
+        matchers = [grammar.matcher() for _ in range(batch_size)]
+        for _ in range(steps):
+            sync(device)
+            t0 = time.perf_counter()
+            if mode == "batched":
+                masked = mask_logits(logits, matchers)  # (B, V)
+            else:
+                masked = torch.cat([mask_logits(logits[b:b + 1], [m]) for b, m in enumerate(matchers)])  # (B, V)
+            allowed = torch.isfinite(masked[0]).nonzero()[:, 0]  # every row is in the same state
+            token = allowed[torch.randint(len(allowed), (1,), generator=generator)].item()
+            advance(matchers, [token] * batch_size)
+            sync(device)
+            times[mode] += time.perf_counter() - t0
+            if matchers[0].done:
+                matchers = [grammar.matcher() for _ in range(batch_size)]
+    return {mode: t / steps for mode, t in times.items()}
+
+
 def print_table(rows: list[dict], header: str, bandwidth: float, peak_tflops: float) -> None:
     print(header)
     print(f"measured memory bandwidth: {bandwidth:.1f} GB/s (1 GiB read); "
@@ -205,6 +235,13 @@ def print_table(rows: list[dict], header: str, bandwidth: float, peak_tflops: fl
                           f"{r['tpot_ms']:.2f}", f"{r['decode_tok_s']:.1f}", f"{r['weight_bytes'] / 1e6:.1f}",
                           f"{r['kv_bytes_per_token']}", f"{r['kv_bytes_total'] / 1e6:.1f}",
                           f"{r['achieved_gb_s']:.1f}", f"{r['roofline_pct']:.0f}%"]))
+    if "mask_ms" in rows[0]:
+        print("structured output: batch | TPOT ms | mask ms (one call) | % of TPOT | mask ms (engine, per row) | "
+              "% of TPOT")
+        for r in rows:
+            print(f"{r['batch_size']} | {r['tpot_ms']:.2f} | {r['mask_ms']:.3f} | "
+                  f"{100 * r['mask_ms'] / r['tpot_ms']:.1f}% | {r['mask_per_row_ms']:.3f} | "
+                  f"{100 * r['mask_per_row_ms'] / r['tpot_ms']:.1f}%")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -230,6 +267,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="peak matmul TFLOP/s for --plan "
                    "(default: H100/H200 dense bf16)")
     p.add_argument("--kv-bytes", type=float, default=2, help="bytes per KV value for --plan (2 = fp16)")
+    p.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                   help="also measure what masking logits with this JSON Schema adds to each decode step")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -270,6 +309,17 @@ def run(args: argparse.Namespace) -> None:
     peak_tflops = measure_matmul_tflops(device, dtype)
     rows = [bench(model, device, b, p, args.new_tokens, args.runs, args.compile, bandwidth, peak_tflops)
             for b in args.batch_size for p in args.prompt_len]
+    if args.json_schema is not None:
+        from grammar import Compiler, Constraint, json_schema_arg
+        from tokenizer import load_tokenizer
+
+        if args.shape:
+            raise ValueError("--json-schema needs a tokenizer: pass --model, not --shape")
+        compiler = Compiler(load_tokenizer(path), model.args.vocab_size)
+        grammar = compiler.compile(Constraint("json_schema", json_schema_arg(args.json_schema)))
+        for r in rows:
+            cost = mask_cost(grammar, model.args.vocab_size, r["batch_size"], args.new_tokens * args.runs, device)
+            r["mask_ms"], r["mask_per_row_ms"] = cost["batched"] * 1e3, cost["per_row"] * 1e3
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
               f"weights {describe(model)} | "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grammar import Grammar, Matcher, advance, mask_logits
 from kvcache import KVCache
 from model import Transformer
 from quantize import Int8Linear
@@ -102,16 +103,19 @@ class Token:
     id: int
     logprob: float | None = None  # under the distribution it was drawn from (sample.sampled_logprobs)
     top: list[tuple[int, float]] | None = None  # up to N (id, logprob) of that distribution, most likely first
-    end: str | None = None  # "eos" or "length" on the last token, else None
+    end: str | None = None  # "eos", "length" or "stop" (a grammar completed) on the last token, else None
 
 
 def end_reason(token: int, n_new: int, n_tokens: int, max_new_tokens: int, max_len: int,
-               stop_ids: Sequence[int]) -> str | None:
+               stop_ids: Sequence[int], matcher: Matcher | None = None) -> str | None:
     """Whether generation ends after `token`, the n_new-th generated token, making n_tokens in all: "eos" for a stop
-    id, "length" after max_new_tokens or once the sequence fills max_len positions (the last token is never fed, so
-    it needs no position of its own), else None. The one rule of every loop (plain, batched, speculative, engine)."""
+    id, "stop" when the sequence's grammar (matcher) is complete and only EOS could follow, "length" after
+    max_new_tokens or once the sequence fills max_len positions (the last token is never fed, so it needs no
+    position of its own), else None. The one rule of every loop (plain, batched, speculative, engine)."""
     if token in stop_ids:
         return "eos"
+    if matcher is not None and matcher.done:
+        return "stop"
     if n_new >= max_new_tokens or n_tokens > max_len:
         return "length"
     return None
@@ -178,13 +182,19 @@ def penalty_state(params: SamplingParams, prompts: Sequence[list[int]],
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
                   seen: torch.Tensor | None, generated: torch.Tensor | None,
-                  logprobs: int | None) -> tuple[torch.Tensor, list[Token]]:
-    """(B, V) logits -> (B,) next tokens: penalties, then sample.sample; counts them into the penalty state
+                  logprobs: int | None, matchers: Sequence[Matcher | None] | None = None
+                  ) -> tuple[torch.Tensor, list[Token]]:
+    """(B, V) logits -> (B,) next tokens: penalties, the grammar masks (a row's matcher, if any, sets the tokens its
+    grammar forbids to -inf, then takes the sampled token), then sample.sample; counts them into the penalty state
     (seen, generated) in place. Also a Token per row, with the log-probabilities it was drawn from and the top
     `logprobs` alternatives when logprobs is not None."""
     if seen is not None:
         logits = apply_penalties(logits, seen, generated, params)
+    if matchers is not None:
+        logits = mask_logits(logits, list(matchers))
     tokens = sample(logits, params, generator)  # (B,)
+    if matchers is not None:
+        advance(list(matchers), tokens.tolist())
     if seen is not None:  # the new tokens count for the next step's penalties
         rows = torch.arange(len(tokens), device=tokens.device)
         seen[rows, tokens] = True
@@ -216,9 +226,11 @@ def generate(
     logprobs: int | None = None,
     session: Session | None = None,
     kv_dtype: str = "model",
+    grammar: Grammar | None = None,
 ) -> Iterator[Token]:
     """Yield the generated Tokens, the last one marked with why it ended (end_reason). With a session, its cache
-    is reused: only the part of `prompt` it does not hold yet is prefilled."""
+    is reused: only the part of `prompt` it does not hold yet is prefilled. With a grammar, the output follows it
+    (grammar.py): its own matcher masks every step."""
     if session is None:
         check_request(prompt, max_new_tokens, model.args.max_seq_len)
         # The cache holds the prompt and the generated tokens, never more than the model's context.
@@ -232,6 +244,7 @@ def generate(
         start = session.reusable(prompt)
     device = model.embed_tokens.weight.device
     seen, generated = penalty_state(params, [prompt], model)
+    matcher = None if grammar is None else grammar.matcher()
 
     tokens = torch.tensor([prompt[start:]], device=device)  # (1, T)
     logits = step(model, tokens, torch.arange(start, len(prompt), device=device), cache)  # prefill: (1, V)
@@ -239,8 +252,9 @@ def generate(
         session.tokens = list(prompt)
     pos = len(prompt)  # where the next sampled token is fed
     for n_new in range(1, max_new_tokens + 1):
-        token, (out,) = sample_tokens(logits, params, generator, seen, generated, logprobs)  # (1,)
-        out.end = end_reason(out.id, n_new, pos + 1, max_new_tokens, max_seq, stop_ids)
+        token, (out,) = sample_tokens(logits, params, generator, seen, generated, logprobs,
+                                      None if matcher is None else [matcher])  # (1,)
+        out.end = end_reason(out.id, n_new, pos + 1, max_new_tokens, max_seq, stop_ids, matcher)
         yield out
         if out.end:
             return
@@ -261,9 +275,10 @@ def generate_batch(
     step: StepFn = eager_step,
     logprobs: int | None = None,
     kv_dtype: str = "model",
+    grammar: Grammar | None = None,
 ) -> Iterator[list[Token | None]]:
     """Generate for several prompts in one batch. Yields per step a Token for each running row, None for rows
-    that ended (by generate's rule, per row); ends when every row has."""
+    that ended (by generate's rule, per row); ends when every row has. With a grammar, each row has its matcher."""
     if not prompts:
         raise ValueError("no prompts to generate for")
     context = model.args.max_seq_len
@@ -275,6 +290,7 @@ def generate_batch(
     limits = [min(n + max_new_tokens, context) for n in lengths]  # each row's max_seq when run alone
     cache = new_cache(model, B, max(limits), kv_dtype)
     seen, generated = penalty_state(params, prompts, model)
+    matchers = None if grammar is None else [grammar.matcher() for _ in prompts]
 
     # One prefill for all rows. Pads go first but take the positions after the prompt (n..T-1): the mask, built
     # from positions, hides them from the prompt, their cache slots are rewritten by the row's decode steps before
@@ -289,9 +305,12 @@ def generate_batch(
     pos = torch.tensor(lengths, device=device)  # (B,) the position each row's next token is fed at
     done = [False] * B
     for n_new in range(1, max_new_tokens + 1):
-        tokens, outs = sample_tokens(logits, params, generator, seen, generated, logprobs)  # (B,)
+        # A row that ended has no grammar left to follow: its matcher is dropped.
+        live = None if matchers is None else [None if d else m for d, m in zip(done, matchers)]
+        tokens, outs = sample_tokens(logits, params, generator, seen, generated, logprobs, live)  # (B,)
         for b, (out, p) in enumerate(zip(outs, pos.tolist())):
-            out.end = None if done[b] else end_reason(out.id, n_new, p + 1, max_new_tokens, limits[b], stop_ids)
+            out.end = None if done[b] else end_reason(out.id, n_new, p + 1, max_new_tokens, limits[b], stop_ids,
+                                                      None if live is None else live[b])
         yield [None if finished else out for finished, out in zip(done, outs)]
         done = [finished or out.end is not None for finished, out in zip(done, outs)]
         if all(done):

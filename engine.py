@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decode import StepFn, Token, check_request, eager_step, end_reason, penalty_state, sample_tokens
+from grammar import Grammar, Matcher
 from kvcache import BlockPool, PagedKVCache
 from model import Transformer
 from sample import SamplingParams
@@ -73,6 +74,7 @@ class Request:
     stop: Sequence[str] = ()
     seed: int | None = None
     on_event: Callable[[Event], None] | None = None
+    grammar: Grammar | None = None  # structured output: the text follows it (a matcher per sequence)
 
 
 class QueueFull(RuntimeError):
@@ -90,6 +92,7 @@ class Seq:
     generator: torch.Generator
     seen: torch.Tensor | None  # penalty state, as decode.sample_tokens keeps it
     generated: torch.Tensor | None
+    matcher: Matcher | None  # where the output is in its grammar (kept across preemption, like the tokens)
     blocks: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chained hash of each full block, in order
     n_computed: int = 0
@@ -194,11 +197,12 @@ class Engine:
         else:
             generator.manual_seed(request.seed)
         seen, generated = penalty_state(request.params, [request.prompt], self.model)
+        matcher = None if request.grammar is None else request.grammar.matcher()
         with self.lock:
             if self.queued >= self.config.max_waiting:
                 raise QueueFull(f"the queue is full ({self.config.max_waiting} waiting requests)")
             self.queued += 1
-            seq = Seq(next(self.ids), request, list(request.prompt), text, generator, seen, generated)
+            seq = Seq(next(self.ids), request, list(request.prompt), text, generator, seen, generated, matcher)
             self.inbox.put(("submit", seq))
             self.wake.notify()
         return seq.id
@@ -376,13 +380,14 @@ class Engine:
     def _sample(self, seq: Seq, logits: torch.Tensor) -> None:
         """Draw seq's next token from (1, V) logits (as decode.generate does), stream it, maybe finish."""
         try:
-            _, (token,) = sample_tokens(logits, seq.request.params, seq.generator, seq.seen, seq.generated, None)
+            _, (token,) = sample_tokens(logits, seq.request.params, seq.generator, seq.seen, seq.generated, None,
+                                        None if seq.matcher is None else [seq.matcher])
         except Exception as e:  # this request fails alone
             self._fail(seq, e)
             return
         seq.tokens.append(token.id)
         token.end = end_reason(token.id, len(seq.tokens) - seq.n_prompt, len(seq.tokens), seq.request.max_tokens,
-                               self.model.args.max_seq_len, self.tokenizer.eos_ids)
+                               self.model.args.max_seq_len, self.tokenizer.eos_ids, seq.matcher)
         piece = push_token(seq.text, token)
         reason = finish_reason(token.end, seq.text)
         if reason is None:
@@ -425,7 +430,8 @@ class Engine:
     # ---- offline ----
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams(), max_tokens: int = 16,
-                 stop: Sequence[str] = (), seed: int | None = None) -> list[Completion]:
+                 stop: Sequence[str] = (), seed: int | None = None,
+                 grammar: Grammar | None = None) -> list[Completion]:
         """Serve a list of prompts to the end (all queued at once; the scheduler batches them); one Completion
         each, in order. ttft_s and total_s are measured from submission."""
         t0 = time.perf_counter()
@@ -436,7 +442,7 @@ class Engine:
             events.setdefault(event.request_id, []).append(event)
             first.setdefault(event.request_id, time.perf_counter() - t0)
 
-        ids = [self.submit(Request(p, params, max_tokens, stop, seed, collect)) for p in prompts]
+        ids = [self.submit(Request(p, params, max_tokens, stop, seed, collect, grammar)) for p in prompts]
         while not all(i in events and events[i][-1].finished for i in ids):
             self.step()
         out = []

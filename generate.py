@@ -15,6 +15,7 @@ import torch
 import tp
 from cli import DTYPES, FALLBACK_MODEL, check_seed, check_text, default_model, pick_device, pick_dtype, run_cli
 from decode import Session, generate, generate_batch, make_step
+from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
 from load import load_model
 from model import Transformer
 from quantize import describe, parse_mode, quantization_of, weight_bytes
@@ -62,6 +63,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--interactive", action="store_true",
                    help="with --chat: a multi-turn chat reading user turns from stdin (an empty line, /exit or "
                    "EOF ends); the KV cache is kept, so each turn prefills only its new tokens")
+    p.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                   help="structured output: the text is JSON valid under this JSON Schema (a file, or the schema "
+                   "itself as JSON text)")
+    p.add_argument("--json-object", action="store_true", help="structured output: the text is one JSON object")
+    p.add_argument("--regex", default=None, metavar="PATTERN", help="structured output: the text matches PATTERN "
+                   "whole (Rust regex syntax)")
+    p.add_argument("--grammar", default=None, metavar="FILE", help="structured output: the text follows the grammar "
+                   "in FILE (Lark with a `start` rule, or llama.cpp's GBNF with a `root` rule)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: nondeterministic)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -97,6 +106,29 @@ def speculating(args: argparse.Namespace) -> bool:
     return bool(args.draft_model or args.draft_quantize or args.prompt_lookup)
 
 
+def constraint_of(args: argparse.Namespace) -> Constraint | None:
+    """The structured-output flag given (at most one), as a Constraint; None without one."""
+    given = [flag for flag, value in (("--json-schema", args.json_schema), ("--json-object", args.json_object),
+                                      ("--regex", args.regex), ("--grammar", args.grammar)) if value]
+    if len(given) > 1:
+        raise ValueError(f"pass one of --json-schema, --json-object, --regex, --grammar; got {' and '.join(given)}")
+    if args.json_schema is not None:
+        return Constraint("json_schema", json_schema_arg(args.json_schema))
+    if args.json_object:
+        return Constraint("json_object")
+    if args.regex is not None:
+        return Constraint("regex", args.regex)
+    if args.grammar is not None:
+        if not os.path.isfile(args.grammar):
+            raise FileNotFoundError(f"grammar file {args.grammar!r} does not exist")
+        try:
+            with open(args.grammar, encoding="utf-8") as f:
+                return Constraint("grammar", f.read())
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read grammar file {args.grammar!r}: {e}") from None
+    return None
+
+
 def check_args(args: argparse.Namespace) -> SamplingParams:
     """Every flag and flag combination, checked before anything loads; the sampling parameters they give."""
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
@@ -109,6 +141,9 @@ def check_args(args: argparse.Namespace) -> SamplingParams:
     for flag, text in (("--prompt", args.prompt), ("--system", args.system), *(("--stop", t) for t in args.stop)):
         check_text(flag, text)
     check_seed(args.seed)
+    constraint = constraint_of(args)
+    if constraint is not None:
+        check_constraint(constraint)
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat (the system message is rendered with the chat template)")
     if args.interactive and not args.chat:
@@ -130,6 +165,8 @@ def check_args(args: argparse.Namespace) -> SamplingParams:
         if args.prompt_lookup and (args.draft_model or args.draft_quantize):
             raise ValueError("--prompt-lookup is a draft of its own; it cannot take --draft-model/--draft-quantize")
         for flag, used in (("penalties", params.penalized), ("--logprobs", args.logprobs is not None),
+                           ("structured output (--json-schema, --json-object, --regex, --grammar)",
+                            constraint is not None),
                            ("--prompts-file", args.prompts_file), ("--interactive", args.interactive),
                            ("--kv-cache-dtype int8", args.kv_cache_dtype != "model"),
                            ("tensor parallel (torchrun)", tp.launched())):
@@ -177,6 +214,10 @@ def run(args: argparse.Namespace) -> None:
     if shard is not None:
         setup += f" | tensor parallel x{shard.world} (this rank's weights)"
     setup += quantization_summary(model, args.kv_cache_dtype)
+    constraint = constraint_of(args)
+    grammar = None if constraint is None else Compiler(tokenizer, model.args.vocab_size).compile(constraint)
+    if grammar is not None:
+        setup += f" | {constraint.kind.replace('_', ' ')}"
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     def encode(text: str) -> list[int]:
@@ -186,11 +227,11 @@ def run(args: argparse.Namespace) -> None:
         return tokenizer.encode(text)
 
     if args.interactive:
-        chat(args, model, tokenizer, params, generator, step, setup, system)
+        chat(args, model, tokenizer, params, generator, step, setup, system, grammar)
     elif args.prompts_file:
         prompts = [encode(t) for t in texts]
         rows = generate_batch(model, prompts, args.max_new_tokens, params, generator, tokenizer.eos_ids, step,
-                              args.logprobs, args.kv_cache_dtype)
+                              args.logprobs, args.kv_cache_dtype, grammar)
         completions = complete_batch(rows, tokenizer, [len(p) for p in prompts], stop=args.stop)
         for n, c in enumerate(completions, 1):
             if args.json:
@@ -216,7 +257,7 @@ def run(args: argparse.Namespace) -> None:
                                           tokenizer.eos_ids, args.speculate_k, stats, step)
         else:
             tokens = generate(model, prompt, args.max_new_tokens, params, generator, tokenizer.eos_ids, step,
-                              args.logprobs, kv_dtype=args.kv_cache_dtype)
+                              args.logprobs, kv_dtype=args.kv_cache_dtype, grammar=grammar)
         c = complete(tokens, tokenizer, len(prompt), stop=args.stop, on_text=on_text)
         print(json.dumps(completion_json(c, tokenizer), ensure_ascii=False) if args.json else "", flush=True)
         if not args.json:
@@ -279,8 +320,9 @@ def print_logprobs(c: Completion, tokenizer, n: int | None) -> None:
 
 
 def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: SamplingParams,
-         generator: torch.Generator, step, setup: str, messages: list[dict]) -> None:
-    """The --interactive REPL: user turns from stdin, replies streamed to stdout; one Session (KV cache) for all."""
+         generator: torch.Generator, step, setup: str, messages: list[dict], grammar: Grammar | None = None) -> None:
+    """The --interactive REPL: user turns from stdin, replies streamed to stdout; one Session (KV cache) for all.
+    With a grammar, every reply follows it (a new matcher per turn)."""
     session = Session(model, kv_dtype=args.kv_cache_dtype)
     turn = args.prompt
     for n in range(1, sys.maxsize):
@@ -296,7 +338,7 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
         on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
         prefilled = len(prompt) - session.reusable(prompt)
         tokens = generate(model, prompt, args.max_new_tokens, params, generator, tokenizer.eos_ids, step,
-                          args.logprobs, session)
+                          args.logprobs, session, grammar=grammar)
         c = complete(tokens, tokenizer, len(prompt), prefilled, stop=args.stop, on_text=on_text)
         print(json.dumps(completion_json(c, tokenizer), ensure_ascii=False) if args.json else "", flush=True)
         if not args.json:

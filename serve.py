@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
@@ -45,14 +45,18 @@ from starlette.requests import ClientDisconnect
 
 from cli import DTYPES, default_model, pick_device, pick_dtype, run_cli
 from engine import Engine, EngineConfig, Event, QueueFull, Request
+from grammar import Compiler, Constraint, Grammar
 from sample import SamplingParams
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)  # seconds
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to all the room left
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# Structured output: OpenAI's response_format, and vLLM's extensions (guided_json, guided_regex, guided_grammar,
+# guided_choice); at most one of them per request.
+GUIDED = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 COMMON_FIELDS = {"model", "user", "max_tokens", "stop", "seed", "stream", "stream_options", "n", "logprobs",
-                 "logit_bias", *SAMPLING}  # top_k, min_p and repetition_penalty are extensions (as in vLLM)
+                 "logit_bias", *SAMPLING, *GUIDED}  # top_k, min_p and repetition_penalty are extensions (as in vLLM)
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 # Known fields that are accepted only at the value that asks for nothing more than what is served (or null).
@@ -263,23 +267,68 @@ def chat_prompt(body: dict, tokenizer, max_chars: int) -> list[int]:
     return encode(tokenizer, text, max_chars, "messages", bos=False)
 
 
-def parse_body(raw: bytes, chat: bool, tokenizer, max_len: int, max_chars: int) -> tuple[Request, bool, bool]:
-    """parse_request of a raw body. Run on a worker thread: a large body takes a while to parse and tokenize."""
+def constraint_of(body: dict) -> tuple[Constraint, str] | None:
+    """The structured output a request asks for, and the field that asks; None for plain text."""
+    given = [name for name in GUIDED if body.get(name) is not None]
+    if len(given) > 1:
+        raise BadRequest(f"pass at most one of {', '.join(GUIDED)}; got {' and '.join(given)}", given[1])
+    if not given:
+        return None
+    name = given[0]
+    if name == "response_format":
+        fmt = get(body, name, "object")
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Constraint("json_object"), name
+        if kind != "json_schema":
+            raise BadRequest(f"response_format.type must be text, json_object or json_schema, got "
+                             f"{json.dumps(kind)[:50]}", name)
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise BadRequest("response_format.json_schema must be an object with the schema in its schema field "
+                             '({"name": ..., "schema": {...}, "strict": true})', name)
+        return Constraint("json_schema", json.dumps(spec["schema"])), name
+    if name == "guided_json":  # a schema, or a schema's JSON text
+        schema = body[name]
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise BadRequest(f"guided_json is not valid JSON: {e}", name) from None
+        if not isinstance(schema, dict):
+            raise BadRequest("guided_json must be a JSON schema (an object)", name)
+        return Constraint("json_schema", json.dumps(schema)), name
+    if name == "guided_choice":  # exactly one of the strings
+        choices = get(body, name, "array")
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise BadRequest("guided_choice must be a non-empty array of non-empty strings", name)
+        return Constraint("grammar", "start: " + " | ".join(json.dumps(c) for c in choices)), name
+    return Constraint("regex" if name == "guided_regex" else "grammar", get(body, name, "string")), name
+
+
+def parse_body(raw: bytes, chat: bool, tokenizer, max_len: int, max_chars: int,
+               compile_grammar: Callable[[Constraint], Grammar] | None = None) -> tuple[Request, bool, bool]:
+    """parse_request of a raw body. Run on a worker thread: a large body takes a while to parse and tokenize, and
+    a grammar to compile."""
     try:
         try:
             body = json.loads(raw)
         except ValueError as e:  # also bad UTF-8
             raise BadRequest(f"the request body is not valid JSON: {e}") from None
         check_unicode(body)
-        return parse_request(body, chat, tokenizer, max_len, max_chars)
+        return parse_request(body, chat, tokenizer, max_len, max_chars, compile_grammar)
     except RecursionError:  # json.loads, or json.dumps quoting a value in a message
         raise BadRequest("the request body is nested too deeply") from None
 
 
-def parse_request(body, chat: bool, tokenizer, max_len: int, max_chars: int) -> tuple[Request, bool, bool]:
+def parse_request(body, chat: bool, tokenizer, max_len: int, max_chars: int,
+                  compile_grammar: Callable[[Constraint], Grammar] | None = None) -> tuple[Request, bool, bool]:
     """A request body -> (engine Request, stream, include_usage); BadRequest names what is wrong. max_len: the
     most positions a sequence may take (chat's max_tokens defaults to what the prompt leaves of it); max_chars:
-    the longest prompt text worth tokenizing (see encode)."""
+    the longest prompt text worth tokenizing (see encode); compile_grammar: a structured-output constraint -> its
+    compiled grammar (ValueError for a bad one)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
@@ -311,7 +360,15 @@ def parse_request(body, chat: bool, tokenizer, max_len: int, max_chars: int) -> 
     if set(options) - {"include_usage"}:
         raise BadRequest(f"unrecognized stream_options: {sorted(set(options) - {'include_usage'})}", "stream_options")
     include_usage = get(options, "include_usage", "boolean", False)
-    return Request(prompt, params, max_tokens, stop, seed), stream, include_usage
+    grammar, asked = None, constraint_of(body)
+    if asked is not None:
+        if compile_grammar is None:
+            raise BadRequest("structured output is not served here", asked[1])
+        try:
+            grammar = compile_grammar(asked[0])
+        except ValueError as e:
+            raise BadRequest(str(e), asked[1]) from None
+    return Request(prompt, params, max_tokens, stop, seed, grammar=grammar), stream, include_usage
 
 
 # ---- responses ----
@@ -381,6 +438,8 @@ class Server:
         self.max_len = min(engine.model.args.max_seq_len, engine.stats()["blocks_total"] * engine.config.block_size)
         self.max_chars = (self.max_len - 1) * longest_token(tokenizer)  # a longer prompt text surely does not fit
         self.open: set[asyncio.Queue] = set()
+        self.compiler: Compiler | None = None  # built at the first structured-output request
+        self.compiler_lock = threading.Lock()  # requests are parsed on worker threads
         self.error: str | None = None  # why the engine thread died
         self.draining = False  # shutting down: Gate answers 503
         self.closed: str | None = None  # set when the requests still running were ended: why
@@ -390,6 +449,14 @@ class Server:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    def compile_grammar(self, constraint: Constraint) -> Grammar:
+        """A request's structured-output constraint compiled against the model's vocabulary (cached by the
+        Compiler); on a worker thread."""
+        with self.compiler_lock:
+            if self.compiler is None:
+                self.compiler = Compiler(self.tokenizer, self.engine.model.args.vocab_size)
+            return self.compiler.compile(constraint)
 
     def start(self) -> None:
         """Start the engine thread (from the event loop)."""
@@ -625,7 +692,8 @@ async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
     try:
         raw = await http.body()  # at most config.max_body_bytes, or Gate answers 413
         request, stream, include_usage = await asyncio.to_thread(parse_body, raw, chat, server.tokenizer,
-                                                                 server.max_len, server.max_chars)
+                                                                 server.max_len, server.max_chars,
+                                                                 server.compile_grammar)
         if server.error is not None or server.closed is not None:
             return error(503, server.error or server.closed, "server_error")
         request_id, queue = server.submit(request)

@@ -75,3 +75,17 @@ def test_mixtral_benchmark_counts_active_bytes(tmp_path, capsys):
     total = sum(p.numel() * 4 for p in model.parameters())
     assert bench.step_weight_bytes(model, 1) == total - 6 * expert  # 8 experts, 2 read
     assert total - 6 * expert < bench.step_weight_bytes(model, 4) < total
+
+
+def test_mask_cost_walks_the_grammar():
+    """bench.mask_cost on a toy vocabulary: both modes time every step, and the walk restarts a completed grammar."""
+    from grammar import Compiler, Constraint
+    from tokenizer import tokenizer_from_gguf_metadata
+
+    tokens = ["<end>", *"0123456789"]
+    toy = tokenizer_from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+                                        "tokenizer.ggml.merges": [], "tokenizer.ggml.eos_token_id": 0,
+                                        "tokenizer.ggml.token_type": [3] + [1] * 10})
+    grammar = Compiler(toy, 16).compile(Constraint("regex", "[0-9]{2}"))
+    cost = bench.mask_cost(grammar, 16, 3, 7, torch.device("cpu"))
+    assert set(cost) == {"batched", "per_row"} and min(cost.values()) > 0

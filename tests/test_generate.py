@@ -63,6 +63,15 @@ def error_of(cli_error, argv: list[str]) -> str:
      "--kv-cache-dtype int8 is not supported with speculative decoding"),
     (["--prompt", "hi", "--device", "tpu"], "device 'tpu'"),
     (["--prompts-file", "nope.txt"], "prompts file 'nope.txt' does not exist"),
+    (["--prompt", "hi", "--json-schema", "{bad"], "the JSON schema is neither a file nor valid JSON"),
+    (["--prompt", "hi", "--json-schema", '{"type": "objekt"}'], "invalid json schema: Invalid type: objekt"),
+    (["--prompt", "hi", "--json-schema", "[1, 2]"], "a JSON schema must be an object"),
+    (["--prompt", "hi", "--regex", "[a-"], "invalid regex"),
+    (["--prompt", "hi", "--grammar", "nope.gbnf"], "grammar file 'nope.gbnf' does not exist"),
+    (["--prompt", "hi", "--json-schema", "{}", "--regex", "a"], "got --json-schema and --regex"),
+    (["--prompt", "hi", "--json-object", "--grammar", "g"], "got --json-object and --grammar"),
+    (["--prompt", "hi", "--json-object", "--draft-quantize", "int4"],
+     "structured output (--json-schema, --json-object, --regex, --grammar) is not supported with speculative"),
 ])
 def test_bad_flags_are_one_line_errors(cli_error, argv, fragment):
     assert fragment in error_of(cli_error, argv)
@@ -225,6 +234,46 @@ def test_interactive_chat_prefills_only_the_new_turn(capsys, monkeypatch, smollm
     assert len(turns) == 2
     (prompt1, prefilled1), (prompt2, prefilled2) = [tuple(map(int, t)) for t in turns]
     assert prefilled1 == prompt1 and prefilled2 < 20 < prompt2
+
+
+def test_bad_grammar_file_is_one_line(cli_error, tmp_path):
+    bad = tmp_path / "bad.gbnf"
+    bad.write_text('root ::= "a" missing\n')
+    assert "invalid GBNF grammar: Rule 'missing' not found" in error_of(cli_error, ["--prompt", "hi", "--grammar",
+                                                                                     str(bad)])
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "string", "pattern": "("}')
+    assert "invalid json schema" in error_of(cli_error, ["--prompt", "hi", "--json-schema", str(schema)])
+
+
+@pytest.mark.slow
+def test_structured_output_flags(capsys, monkeypatch, tmp_path, smollm2_gguf):
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "rank"],
+              "properties": {"city": {"enum": ["Paris", "Rome"]}, "rank": {"type": "integer", "maximum": 9}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    assert generate.main(["--model", smollm2_gguf, "--chat", "--prompt", "Name a city in JSON.", "--json-schema",
+                          str(path), "--temperature", "0.8", "--seed", "3", "--logprobs", "3", "--json",
+                          "--max-new-tokens", "40"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    jsonschema.validate(json.loads(out["text"]), schema)
+    assert out["finish_reason"] == "stop"
+    for lp in out["logprobs"]:  # the constrained distribution: forbidden tokens have probability 0
+        assert all(t["logprob"] > float("-inf") for t in lp["top"])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("My phone number is\nCall me at\n")
+    grammar = tmp_path / "phone.lark"
+    grammar.write_text('start: /[0-9]{3}/ "-" /[0-9]{4}/\n')
+    assert generate.main(["--model", smollm2_gguf, "--prompts-file", str(prompts), "--grammar", str(grammar),
+                          "--stop", "-", "--json", "--quiet"]) == 0
+    outs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [re.fullmatch("[0-9]{3}", o["text"]) is not None for o in outs] == [True, True]  # cut at the stop string
+    monkeypatch.setattr("sys.stdin", io.StringIO("A number?\nAnother one?\n"))
+    assert generate.main(["--model", smollm2_gguf, "--chat", "--interactive", "--regex", "[1-9][0-9]?",
+                          "--temperature", "0.8", "--quiet"]) == 0
+    assert re.fullmatch(r"[1-9][0-9]?\n[1-9][0-9]?\n", capsys.readouterr().out)
 
 
 @pytest.mark.slow

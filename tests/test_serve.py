@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -276,6 +277,80 @@ def test_invalid_parameters_with_the_openai_client(client):
     assert e.value.status_code == 400 and "temperature" in e.value.message
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="any", messages=[{"role": "wizard", "content": "hi"}])
+
+
+# ---- structured output ----
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"},
+                         "age": {"type": "integer", "minimum": 1, "maximum": 99},
+                         "city": {"enum": ["Paris", "Rome", "Oslo"]}}}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+PERSON_CHAT = [{"role": "user", "content": "Describe a person in JSON."}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_with_the_openai_client(client, stream):
+    import jsonschema
+
+    for seed in range(3):
+        kw = dict(model="any", messages=PERSON_CHAT, max_tokens=60, temperature=0.8, seed=seed,
+                  response_format=PERSON_FORMAT)
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            choice = client.chat.completions.create(**kw).choices[0]
+            text, reason = choice.message.content, choice.finish_reason
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_json_object_and_the_guided_extensions_on_completions(client):
+    r = client.completions.create(model="any", prompt="My phone number is", max_tokens=20, temperature=0.8, seed=0,
+                                  extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="any", prompt="The best city is", max_tokens=20, temperature=0.8, seed=0,
+                                  extra_body={"guided_choice": ["Paris", "Rome", "New York"]})
+    assert r.choices[0].text in ("Paris", "Rome", "New York")
+    r = client.completions.create(model="any", prompt="2 + 2 =", max_tokens=20, temperature=0.8, seed=0,
+                                  extra_body={"guided_grammar": 'start: NUM (" + " NUM)?\nNUM: /[1-9][0-9]?/'})
+    assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?)?", r.choices[0].text)
+    r = client.chat.completions.create(model="any", messages=PERSON_CHAT, max_tokens=60, temperature=0, seed=0,
+                                       extra_body={"guided_json": PERSON})
+    assert set(json.loads(r.choices[0].message.content)) == {"name", "age", "city"}
+    r = client.chat.completions.create(model="any", messages=PERSON_CHAT, max_tokens=80, temperature=0,
+                                       response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:
+        assert r.choices[0].message.content.startswith("{")
+
+
+def test_max_tokens_mid_structure_is_length(client):
+    r = client.chat.completions.create(model="any", messages=PERSON_CHAT, max_tokens=3, temperature=0,
+                                       response_format=PERSON_FORMAT)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    assert r.choices[0].message.content.startswith('{"') and not r.choices[0].message.content.endswith("}")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"guided_grammar": "start: nothing"}, "guided_grammar"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+])
+def test_bad_structured_output_is_400(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="any", messages=CHAT, max_tokens=4, extra_body=extra)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+    assert e.value.body["type"] == "invalid_request_error" and "\n" not in e.value.body["message"]
 
 
 def test_prompt_longer_than_the_context_is_400(server):

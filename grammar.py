@@ -1,0 +1,245 @@
+"""Constrained decoding (structured output): JSON Schema, any JSON object, a regex or a grammar, with llguidance.
+
+A Compiler turns the tokenizer's vocabulary into llguidance's token table once (each id's bytes, its EOS ids) and
+compiles constraints against it, keeping the compiled grammars by (kind, spec). Each generated sequence gets its own
+Matcher; before every sample, mask_logits sets the logits of the tokens its grammar forbids to -inf, so temperature,
+top-k/top-p/min-p and the reported logprobs act on the allowed tokens only. EOS is allowed only where the grammar
+may end; once nothing but EOS could follow, the sequence ends (end reason "stop").
+
+Shape legend: B rows, V vocab (the model's logits, which may be wider than the tokenizer), W = ceil(V / 32) words.
+"""
+import json
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("json_schema", "json_object", "regex", "grammar")
+# One line of JSON with json.dumps's separators: what models write, and no room for runs of whitespace.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte fallback
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match. spec: the JSON Schema as JSON text, the regex, or the grammar text (Lark, or
+    llama.cpp's GBNF); "" for json_object (any JSON object)."""
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown constraint kind {self.kind!r}; expected one of {', '.join(KINDS)}")
+
+
+def json_schema_arg(value: str) -> str:
+    """A JSON Schema given as a file path or as JSON text -> its JSON text; ValueError when it is neither."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read JSON schema file: {e}") from None
+    try:
+        schema = json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"the JSON schema is neither a file nor valid JSON ({e})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"a JSON schema must be an object, got {value[:50]}")
+    return json.dumps(schema)
+
+
+def to_llguidance(constraint: Constraint) -> str:
+    """The constraint as an llguidance grammar (its JSON text); ValueError for a spec that is not even parseable."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if constraint.kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if constraint.kind == "json_schema":
+        try:
+            return LLMatcher.grammar_from_json_schema(constraint.spec, defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise ValueError(f"invalid JSON schema: {e}") from None
+    if constraint.kind == "regex":
+        return LLMatcher.grammar_from_regex(constraint.spec)
+    try:  # Lark (a `start:` rule) as it is; GBNF (llama.cpp's `root ::= ...`) converted to Lark
+        return LLMatcher.grammar_from_lark(any_to_lark(constraint.spec))
+    except Exception as e:  # the converter raises GbnfToLarkError, or a plain Exception for an unknown rule
+        raise ValueError(f"invalid GBNF grammar: {one_line(str(e))}") from None
+
+
+def check_constraint(constraint: Constraint) -> None:
+    """A ValueError naming what is wrong with a schema, regex or grammar; needs no tokenizer (runs before loading)."""
+    from llguidance import LLMatcher
+
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(to_llguidance(constraint))
+    if is_error:
+        raise ValueError(f"invalid {constraint.kind.replace('_', ' ')}: {one_line(messages[0])}")
+
+
+def one_line(message: str) -> str:
+    return " ".join(message.split())[:300]
+
+
+def token_bytes(tokenizer, vocab_size: int) -> tuple[list[bytes], list[int]]:
+    """(the bytes each token id stands for, the special ids), for ids 0..vocab_size-1. Byte-level BPE (GPT-2 style:
+    each byte written as one printable character) and sentencepiece (a space as '▁', <0xNN> byte tokens) are read;
+    special tokens and ids past the tokenizer's vocabulary have no bytes (the grammar never allows them)."""
+    backend = tokenizer.backend
+    decoder = repr(backend.decoder)
+    added = backend.get_added_tokens_decoder()  # id -> AddedToken
+    if decoder.startswith("ByteLevel"):
+        to_byte = byte_level_table()
+        decode = lambda piece: bytes(to_byte[c] for c in piece)  # noqa: E731
+    elif "ByteFallback" in decoder or "Metaspace" in decoder:
+        def decode(piece: str) -> bytes:
+            m = _BYTE_TOKEN.fullmatch(piece)
+            return bytes([int(m.group(1), 16)]) if m else piece.replace("▁", " ").encode("utf-8")
+    else:
+        raise ValueError(f"constrained decoding supports byte-level BPE and sentencepiece vocabularies; this "
+                         f"tokenizer's decoder is {decoder[:60]}")
+    out, special = [], []
+    for i in range(vocab_size):
+        piece = backend.id_to_token(i) if i < tokenizer.vocab_size else None
+        if piece is None or (i in added and added[i].special):
+            out.append(b"")
+            special.append(i)
+        elif i in added:
+            out.append(added[i].content.encode("utf-8"))  # added tokens are written as plain text
+        else:
+            out.append(decode(piece))
+    return out, special
+
+
+def byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+class Matcher:
+    """One sequence's position in its grammar: which tokens may come next, and the tokens taken so far."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher  # an llguidance.LLMatcher
+
+    def fill(self, row: torch.Tensor) -> None:
+        """Write the allowed next tokens into row, a contiguous (W,) int32 CPU bitmask (bit i of word w: id 32w+i)."""
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        assert not self.matcher.is_error(), self.matcher.get_error()
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """(V,) bool: the tokens the grammar allows next."""
+        return unpack(self.bitmask(vocab_size), vocab_size)[0]
+
+    def bitmask(self, vocab_size: int) -> torch.Tensor:
+        bitmask = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)  # (1, W)
+        self.fill(bitmask[0])
+        return bitmask
+
+    def advance(self, token: int) -> None:
+        """Take a sampled token (one the mask allowed)."""
+        ok = self.matcher.consume_token(token)
+        assert ok, f"token {token} was not allowed: {self.matcher.get_error()}"
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n tokens taken."""
+        assert self.matcher.rollback(n), self.matcher.get_error()
+
+    @property
+    def can_end(self) -> bool:
+        """The output so far is complete: EOS is allowed now."""
+        return self.matcher.is_accepting()
+
+    @property
+    def done(self) -> bool:
+        """Nothing but EOS can follow (or EOS was taken): the sequence ends here."""
+        return self.matcher.is_stopped()
+
+
+class Grammar:
+    """A constraint compiled against a vocabulary; matcher() starts a sequence at its beginning."""
+
+    def __init__(self, constraint: Constraint, template):
+        self.constraint = constraint
+        self.template = template  # a fresh llguidance.LLMatcher; copies share its compiled grammar
+
+    def matcher(self) -> Matcher:
+        return Matcher(self.template.deep_copy())
+
+
+class Compiler:
+    """Compiles constraints against one tokenizer's vocabulary (read once) and keeps the last `cache_size`
+    compiled grammars by (kind, spec). vocab_size: the width of the model's logits."""
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64):
+        import llguidance
+
+        if not tokenizer.eos_ids:
+            raise ValueError("constrained decoding needs a tokenizer with an EOS token (to end where the grammar "
+                             "ends)")
+        tokens, special = token_bytes(tokenizer, vocab_size)
+        self.vocab_size, self.cache_size = vocab_size, cache_size
+        self.tokens = llguidance.LLTokenizer(Vocabulary(tokenizer, tokens, special), n_vocab=vocab_size,
+                                             eos_token=tokenizer.eos_ids)
+        self.cache: OrderedDict[Constraint, Grammar] = OrderedDict()  # least recently used first
+
+    def compile(self, constraint: Constraint) -> Grammar:
+        """The compiled grammar (from the cache when it is there); ValueError for a bad schema, regex or grammar."""
+        from llguidance import LLMatcher
+
+        grammar = self.cache.get(constraint)
+        if grammar is None:
+            template = LLMatcher(self.tokens, to_llguidance(constraint), log_level=0)
+            if template.is_error():
+                raise ValueError(f"invalid {constraint.kind.replace('_', ' ')}: {one_line(template.get_error())}")
+            grammar = self.cache[constraint] = Grammar(constraint, template)
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(constraint)
+        return grammar
+
+
+class Vocabulary:
+    """What llguidance.LLTokenizer reads from a Python tokenizer (its TokenizerWrapper interface): each id's bytes,
+    the special ids, and an encode function (for the text llguidance tokenizes itself)."""
+
+    def __init__(self, tokenizer, tokens: list[bytes], special: list[int]):
+        self.tokenizer = tokenizer
+        self.tokens, self.special_token_ids = tokens, special
+        self.eos_token_id, self.bos_token_id = tokenizer.eos_ids[0], tokenizer.bos_id
+        self.is_tokenizer_wrapper = True
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self.tokenizer.encode(text, bos=False)
+
+
+def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, W) int32 bitmask -> (B, V) bool, True where the bit of that id is set."""
+    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # (B, W, 32)
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()  # (B, V)
+
+
+def mask_logits(logits: torch.Tensor, matchers: list[Matcher | None]) -> torch.Tensor:
+    """(B, V) logits -> (B, V) logits with -inf for every token a row's grammar forbids; a row whose matcher is
+    None is left as it is. The allowed logits are unchanged."""
+    B, V = logits.shape
+    bitmask = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32)  # (B, W) all allowed
+    for b, matcher in enumerate(matchers):
+        if matcher is not None:
+            matcher.fill(bitmask[b])
+    allowed = unpack(bitmask, V).to(logits.device, non_blocking=True)  # (B, V)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def advance(matchers: list[Matcher | None], tokens: list[int]) -> None:
+    """Each row's matcher takes the row's sampled token."""
+    for matcher, token in zip(matchers, tokens):
+        if matcher is not None:
+            matcher.advance(token)

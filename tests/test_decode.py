@@ -313,6 +313,32 @@ def test_compiled_decode_matches_eager_without_recompiling(tiny):
 
 
 @pytest.mark.slow
+def test_a_compiled_step_keeps_each_models_graphs(tiny):
+    """compiled_step drops Dynamo's guards on the model's modules (decode.skip_module_guards), so a graph must never
+    serve another model: one step shared by models of the same shapes whose constants (norm eps) and module types
+    (int4 linears, as a self-draft has) differ gives each model its own eager logits."""
+    import torch._dynamo
+
+    from quantize import quantize_model
+
+    other = copy.deepcopy(tiny)
+    for m in other.modules():
+        if hasattr(m, "eps"):
+            m.eps = 0.5  # a Python constant: baked into the graph, not an input to it
+    models = [tiny, other, quantize_model(copy.deepcopy(tiny), "int4:32")]
+    torch._dynamo.reset()
+    compiled = compiled_step(tiny)
+    for _ in range(2):
+        for model in models:
+            caches = [KVCache.for_model(model.args, 1, 8, torch.float32, "cpu") for _ in range(2)]
+            for cache in caches:
+                model(torch.tensor([[1, 2, 3]]), torch.arange(3), cache)
+            token, pos = torch.tensor([[4]]), torch.tensor([3])
+            eager, fast = eager_step(model, token, pos, caches[0]), compiled(model, token, pos, caches[1])
+            assert (fast - eager).abs().max() <= 1e-2 * eager.abs().max()
+
+
+@pytest.mark.slow
 def test_compiled_prefill_has_dynamic_length(tiny):
     """--compile-prefill: prompts of three lengths give eager's logits (<= 1e-4); compiled once, with the length
     symbolic from the start, later lengths recompile nothing."""

@@ -147,7 +147,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def run_once(model, decode_step, batch_size: int, prompt_len: int, new_tokens: int, device) -> dict:
     """One greedy generation from a random prompt; returns prefill and per-step decode timings."""
     args = model.args
@@ -193,7 +193,7 @@ def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs
     }
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def mask_cost(grammar, vocab_size: int, batch_size: int, steps: int, device) -> dict:
     """Seconds per decode step that structured output adds: the masks of batch_size rows (decode.sample_tokens: one
     call for the batch; the engine: one per row) and the matchers taking their tokens. The rows walk the grammar

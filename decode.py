@@ -5,6 +5,9 @@ produce one token, so it is memory-bandwidth-bound. How a step runs (the CPU GEM
 policy, `make_step`, that every loop here, the speculative loop and the engine call. The loops share one rule for
 when generation ends (`end_reason`) and mark the last Token with it.
 
+The loops run under torch.inference_mode (no autograd bookkeeping: ~5% of an eager CPU step), so the caches they
+make are inference tensors: write to one again only inside inference mode.
+
 Shape legend: B rows, T tokens fed, V vocab.
 """
 import types
@@ -248,7 +251,7 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     return tokens, out
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     model: Transformer,
     prompt: list[int],
@@ -298,7 +301,7 @@ def generate(
         pos += 1
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate_batch(
     model: Transformer,
     prompts: list[list[int]],

@@ -237,7 +237,7 @@ class Engine:
 
     # ---- the engine thread ----
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> bool:
         """One scheduler iteration; True while work remains."""
         self._take_inbox()

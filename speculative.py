@@ -169,7 +169,7 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     model: Transformer,
     draft: ModelDraft | PromptLookupDraft,

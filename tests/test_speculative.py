@@ -179,7 +179,8 @@ def test_rollback_leaves_the_target_cache_exact(tiny):
     assert any(a < p for p, a in stats.rounds)  # rejections happened
     seq = prompt + out
     # The last token was never fed: feeding it now must attend to exactly seq (stale slots past it hidden).
-    cached = target(torch.tensor([seq[-1:]]), torch.tensor([len(seq) - 1]), caches[0])[0, -1]
+    with torch.inference_mode():  # the loops run in inference mode: their cache takes writes only there
+        cached = target(torch.tensor([seq[-1:]]), torch.tensor([len(seq) - 1]), caches[0])[0, -1]
     full = target(torch.tensor([seq]), torch.arange(len(seq)))[0, -1]
     assert (cached - full).abs().max().item() <= 1e-4
 

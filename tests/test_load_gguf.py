@@ -11,7 +11,7 @@ import torch.nn as nn
 import quantize as q
 from kvcache import KVCache
 from load import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, fused_slot, load_model, part_rows, unpermute_qk
-from tiny_models import greedy_ids
+from tiny_models import greedy_ids, llama_cpp_permute, llama_gguf_writer
 
 BF16_U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits): |bf16(x) - x| <= 2^-8 |x|
 FP32_SLACK = 2.0 ** -22  # relative: each path rounds (q - 8) * d + zero / d * q + m once or twice in float32
@@ -31,12 +31,6 @@ def make_hf_llama(tied: bool, seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
-def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's converter for q/k rows (RoPE pairs (i, i + D/2) -> (2i, 2i + 1)); load.unpermute_qk undoes it."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
 def write_llama_gguf(path, hf, linear_type: str, types: dict[str, str] | None = None) -> str:
     """Write `hf` as a llama GGUF: block linears (attn_q/k/v/output, ffn_gate/up/down) in `linear_type` (F32,
     Q4_0, Q4_1, Q8_0; `types` overrides it per GGUF block name), everything else F32; a tied model has no
@@ -44,16 +38,7 @@ def write_llama_gguf(path, hf, linear_type: str, types: dict[str, str] | None = 
     import gguf
 
     cfg = hf.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
-    writer.add_vocab_size(cfg.vocab_size)
+    writer = llama_gguf_writer(path, cfg)
 
     ours = {v: k for k, v in GGUF_TOP_NAMES.items()}
     block = {v: k for k, v in GGUF_BLOCK_NAMES.items()}

@@ -20,7 +20,7 @@ from helpers import ToyTokenizer
 from kvcache import KVCache
 from load import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, load_model
 from model import ModelArgs, MoE, Router
-from tiny_models import SEQ_LEN, greedy_ids, hf_to_ours, make_hf
+from tiny_models import SEQ_LEN, greedy_ids, hf_to_ours, llama_cpp_permute, llama_gguf_writer, make_hf
 
 PROMPT = [5, 17, 42, 99, 3, 64, 8]
 
@@ -81,12 +81,6 @@ def test_config_errors():
         ModelArgs.from_hf_config({**cfg, "architectures": ["Qwen2MoeForCausalLM"]})
 
 
-def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's converter for q/k rows (RoPE pairs (i, i + D/2) -> (2i, 2i + 1)); load.unpermute_qk undoes it."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
 def write_mixtral_gguf(path, hf, linear_type: str = "F32", drop: str | None = None, per_expert: bool = False) -> str:
     """`hf` as llama.cpp writes a Mixtral: llama architecture with expert_count / expert_used_count, the router as
     ffn_gate_inp (F32) and each layer's experts stacked as ffn_{gate,up,down}_exps (E, rows, columns); the
@@ -95,18 +89,7 @@ def write_mixtral_gguf(path, hf, linear_type: str = "F32", drop: str | None = No
     import gguf
 
     cfg = hf.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_expert_count(cfg.num_local_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer = llama_gguf_writer(path, cfg)
     top, block = {v: k for k, v in GGUF_TOP_NAMES.items()}, {v: k for k, v in GGUF_BLOCK_NAMES.items()}
     F = cfg.intermediate_size
     tensors = {}

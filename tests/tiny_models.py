@@ -83,3 +83,33 @@ def greedy_ids(model: Transformer, prompt: list[int], n: int, params: SamplingPa
                **kw) -> list[int]:
     """The token ids of decode.generate (greedy by default); kw as generate takes them (stop_ids, step, ...)."""
     return [t.id for t in generate(model, prompt, n, params, **kw)]
+
+
+# ---- writing tiny GGUF files (as llama.cpp's converter does) ----
+
+def llama_cpp_permute(w, n_heads: int):
+    """llama.cpp's converter for q/k rows (RoPE pairs (i, i + D/2) -> (2i, 2i + 1)); load.unpermute_qk undoes it.
+    w: a numpy (rows, columns) array."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def llama_gguf_writer(path, cfg):
+    """A gguf.GGUFWriter for a llama-architecture file with the metadata of transformers config `cfg` (and, for a
+    Mixtral config, its expert counts); the caller adds the tensors and writes the file."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    writer.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "num_local_experts", None):
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+    return writer

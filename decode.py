@@ -5,8 +5,8 @@ produce one token, so it is memory-bandwidth-bound. How a step runs (the CPU GEM
 policy, `make_step`, that every loop here, the speculative loop and the engine call. The loops share one rule for
 when generation ends (`end_reason`) and mark the last Token with it.
 
-The loops run under torch.inference_mode (no autograd bookkeeping: ~5% of an eager CPU step), so the caches they
-make are inference tensors: write to one again only inside inference mode.
+The loops run under torch.inference_mode (no autograd bookkeeping on any op), so the caches they make are inference
+tensors: write to one again only inside inference mode.
 
 Shape legend: B rows, T tokens fed, V vocab.
 """
@@ -64,10 +64,10 @@ def own_code(fn: Callable) -> Callable:
 
 
 def skip_module_guards(guards) -> list[bool]:
-    """Dynamo's guard filter for compiled_step: keep every guard except those on the model's modules. Before each
-    call Dynamo checks its guards; for SmolLM2 that is 5,300 checks, 5,100 of them that each module still has its
-    attributes, types and no hooks, about 1 ms of a 7 ms CPU step. A model does not change once built; a new one
-    gets its own graphs (own_code); the KV cache, the inputs and global state stay guarded."""
+    """Dynamo's guard filter for compiled_step: keep every guard except those on the model's modules. Dynamo checks
+    its guards before every call, and nearly all of them check that each module still has its attributes, types
+    and no hooks: a large part of a small model's CPU step (README, Benchmarks). A model does not change once built;
+    a new one gets its own graphs (own_code); the KV cache, the inputs and global state stay guarded."""
     return [not g.orig_guard.source.is_unspecialized_nn_module() for g in guards]
 
 
@@ -92,8 +92,8 @@ def compiled_step(model: Transformer, prefill: bool = False) -> StepFn:
                                  "run without --compile")
             options = dict(guards)
             if m.embed_tokens.weight.device.type == "cpu":
-                # The code that calls the step's ~200 kernels in C++ instead of Python: ~0.7 ms less per SmolLM2
-                # step, for a first compile of ~80 s instead of ~40 (Inductor's cache keeps it for later runs).
+                # The code that calls the step's kernels in C++ instead of Python: less time per step, for a longer
+                # first compile (README, Benchmarks; Inductor's cache keeps it for later runs).
                 options["cpp_wrapper"] = True
             if m.embed_tokens.weight.device.type == "cuda":
                 int8 = any(isinstance(x, Int8Linear) for x in m.modules())

@@ -129,7 +129,7 @@ def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     """softmax(q k^T / sqrt(D)) v for one query per row, written out: q (B, H, 1, D), k and v (B, K, S, D), mask
     (1, S) or (B, 1, 1, S). torch's CPU SDPA kernel tiles over queries, which is slow for one query per row; two
     small batched matmuls are faster there (README, Serving). They run in float32: torch's CPU batched matmul is
-    2-3x slower in bf16 at these sizes, and the cast of the cache costs less than that."""
+    slower in bf16 at these sizes by more than the cast of the cache costs (README, Benchmarks)."""
     B, H, _, D = q.shape
     K, S = k.shape[1], k.shape[2]
     qg = q.float().reshape(B * K, H // K, D)  # (B*K, G, D): each kv head's group of G = H/K query heads

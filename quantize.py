@@ -122,18 +122,6 @@ def cuda_inner_k_tiles(k: int) -> int:
     return 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2  # K is a multiple of G >= 32
 
 
-@torch.library.custom_op("tinyllm::int8pack_mm", mutates_args=())
-def int8pack_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """torch's CPU int8 weight-only kernel as an opaque op: Inductor's own lowering of it fails when its input
-    is a fused pointwise result (LoweringException ... int8pack_mm), so compiled code calls the kernel as it is."""
-    return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
-
-
-@int8pack_mm.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])  # (M, N)
-
-
 class Int8Linear(nn.Module):
     """y = x @ (codes * scales)^T with int8 codes (N, K) and one symmetric scale per output channel."""
 
@@ -143,6 +131,9 @@ class Int8Linear(nn.Module):
         self.in_padded = round_up(in_features, INT8_K_MULTIPLE)  # zero columns: they add nothing
         self.register_buffer("weight", torch.zeros(out_features, self.in_padded, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))
+        # The scales as the CPU kernel takes them (bf16), made once when they are loaded: a cast at every call
+        # would be an op of its own, and one Inductor's lowering of the kernel cannot take as its input.
+        self.register_buffer("kernel_scales", None, persistent=False)
 
     def quantize_weight(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """The buffers (weight, scales) this module holds for float weight w (N, K)."""
@@ -159,14 +150,19 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if int8_kernel(x.device) == "cpu":
+            scales = self.scales.to(KERNEL_DTYPE) if self.kernel_scales is None else self.kernel_scales
             x2 = pad_columns(x2, self.in_padded).to(KERNEL_DTYPE)  # (M, K padded)
-            y = int8pack_mm(x2.contiguous(), self.weight, self.scales.to(KERNEL_DTYPE))
-            y = y.to(x.dtype)
+            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, scales).to(x.dtype)
         elif x.device.type == "cuda":
             y = F.linear(x2, self.weight[:, :self.in_features].to(x.dtype)) * self.scales.to(x.dtype)
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        on_cpu = int8_kernel(self.scales.device) == "cpu"
+        self.kernel_scales = self.scales.to(KERNEL_DTYPE) if on_cpu else None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"

@@ -118,6 +118,11 @@ def int8_kernel(device: torch.device) -> str | None:
     return "cpu" if device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm") else None
 
 
+# the int4 kernel of each layout Int4Linear.kernel names (None where this torch lacks it)
+INT4_MM = {"cpu": getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None),
+           "cuda": getattr(torch.ops.aten, "_weight_int4pack_mm", None)}
+
+
 def cuda_inner_k_tiles(k: int) -> int:
     return 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2  # K is a multiple of G >= 32
 
@@ -238,18 +243,21 @@ class Int4Linear(nn.Module):
         return dequantize_int4(self.codes(), self.scales_and_zeros)[:self.out_features, :self.in_features]
 
     def _kernel_mm(self, x2: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-        # tinygemm (CUDA) takes bf16 only, the CPU kernel is fast in bf16 only: cast around them
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu if self.kernel == "cpu" else torch.ops.aten._weight_int4pack_mm
-        y = mm(x2.to(KERNEL_DTYPE).contiguous(), self.weight, self.group_size, scales_and_zeros)
-        return y.to(x2.dtype)
+        # tinygemm (CUDA) takes bf16 only, the CPU kernel is fast in bf16 only: cast around them. A bf16 decode
+        # step calls this 120 times (SmolLM2), so the casts that would do nothing are not called at all.
+        mm = INT4_MM[self.kernel]
+        if x2.dtype == KERNEL_DTYPE:
+            return mm(x2.contiguous(), self.weight, self.group_size, scales_and_zeros)
+        return mm(x2.to(KERNEL_DTYPE).contiguous(), self.weight, self.group_size, scales_and_zeros).to(x2.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if self.kernel is None:
             y = F.linear(x2, self.dequantize().to(x.dtype))  # (M, N)
         else:
-            x2 = pad_columns(x2, self.in_padded)  # (M, K padded)
-            y = self._kernel_mm(x2, self.scales_and_zeros)[:, :self.out_features]  # (M, N)
+            y = self._kernel_mm(pad_columns(x2, self.in_padded), self.scales_and_zeros)  # (M, N padded)
+            if self.out_padded != self.out_features:
+                y = y[:, :self.out_features]  # (M, N)
         return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
 
     # The state dict holds the plain layout; loading one packs it for this device's kernel.

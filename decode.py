@@ -73,8 +73,9 @@ def skip_module_guards(guards) -> list[bool]:
 
 def compiled_step(model: Transformer, prefill: bool = False) -> StepFn:
     """eager_step with the one-token step under torch.compile. On CPU, a C++ wrapper calls the kernels; on GPU,
-    CUDA graphs (mode "reduce-overhead") remove the per-kernel launch cost; for int8 weights also coordinate-descent tuning, which makes Inductor write each
-    GEMV as a fused reduction that casts the int8 weight in registers (cuBLAS's GEMV stays the better one for bf16).
+    CUDA graphs (mode "reduce-overhead") remove the per-kernel launch cost, and for int8 weights coordinate-descent
+    tuning makes Inductor write each GEMV as a fused reduction that casts the int8 weight in registers (cuBLAS's
+    GEMV stays the better one for bf16).
     prefill: compile the multi-token forwards too, with the token count (and cache size) symbolic so that a new
     prompt length does not recompile. Each model the step is called with (a speculative draft shares the target's
     step) gets graphs of its own, which is what lets skip_module_guards drop the guards on its modules."""
@@ -90,12 +91,12 @@ def compiled_step(model: Transformer, prefill: bool = False) -> StepFn:
                 # computed index.
                 raise ValueError("--compile does not support mixture-of-experts models (Mixtral); "
                                  "run without --compile")
-            options = dict(guards)
-            if m.embed_tokens.weight.device.type == "cpu":
+            options, device = dict(guards), m.embed_tokens.weight.device.type
+            if device == "cpu":
                 # The code that calls the step's kernels in C++ instead of Python: less time per step, for a longer
                 # first compile (README, Benchmarks; Inductor's cache keeps it for later runs).
                 options["cpp_wrapper"] = True
-            if m.embed_tokens.weight.device.type == "cuda":
+            if device == "cuda":
                 int8 = any(isinstance(x, Int8Linear) for x in m.modules())
                 options.update({"triton.cudagraphs": True, "coordinate_descent_tuning": int8})
             one = torch.compile(own_code(forward_logits), fullgraph=True, options=options)

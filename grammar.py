@@ -134,12 +134,9 @@ class Matcher:
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """(V,) bool: the tokens the grammar allows next."""
-        return unpack(self.bitmask(vocab_size), vocab_size)[0]
-
-    def bitmask(self, vocab_size: int) -> torch.Tensor:
         bitmask = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)  # (1, W)
         self.fill(bitmask[0])
-        return bitmask
+        return unpack(bitmask, vocab_size)[0]
 
     def advance(self, token: int) -> None:
         """Take a sampled token (one the mask allowed)."""

@@ -102,12 +102,16 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 # ---- kernels: which one a device gets ----
 
+# the int4 kernel of each layout Int4Linear.kernel names (None where this torch lacks it)
+INT4_MM = {"cpu": getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None),
+           "cuda": getattr(torch.ops.aten, "_weight_int4pack_mm", None)}
+
+
 def int4_kernel(device: torch.device) -> str | None:
     """'cpu' (int4pack_mm_for_cpu), 'cuda' (tinygemm, sm80+) or None (dequantize-then-matmul)."""
-    aten = torch.ops.aten
-    if device.type == "cpu" and hasattr(aten, "_weight_int4pack_mm_for_cpu"):
+    if device.type == "cpu" and INT4_MM["cpu"] is not None:
         return "cpu"
-    if device.type == "cuda" and hasattr(aten, "_weight_int4pack_mm") and torch.cuda.get_device_capability(device)[0] >= 8:
+    if device.type == "cuda" and INT4_MM["cuda"] is not None and torch.cuda.get_device_capability(device)[0] >= 8:
         return "cuda"
     return None
 
@@ -116,11 +120,6 @@ def int8_kernel(device: torch.device) -> str | None:
     """'cpu' (_weight_int8pack_mm) or None: on CUDA the matmul with an int8 -> dtype cast in front (gpt-fast's
     formulation, which torch.compile fuses) is the fast path."""
     return "cpu" if device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm") else None
-
-
-# the int4 kernel of each layout Int4Linear.kernel names (None where this torch lacks it)
-INT4_MM = {"cpu": getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None),
-           "cuda": getattr(torch.ops.aten, "_weight_int4pack_mm", None)}
 
 
 def cuda_inner_k_tiles(k: int) -> int:

@@ -4,7 +4,7 @@ Batch-1 decode reads every weight (and the KV cache) once per token, so its ceil
 memory bandwidth / bytes per step; prefill pushes many tokens through each weight read and is
 compute-bound. bench.py measures this machine's bandwidth itself and reports how close decode gets.
 
-  python bench.py --model M [--dtype bfloat16] [--compile] [--batch-size 1] [--prompt-len 32] [--new-tokens 128]
+  python bench.py --model M [--dtype bfloat16] [--compile [none|blocks|full]] [--batch-size 1] [--prompt-len 32] [--new-tokens 128]
   python bench.py --shape llama-2-7b --device cuda --compile      # random weights, no download
   python bench.py --plan --shape llama-2-7b [--memory-gib 80] [--context 4096]
   python bench.py --json-schema schema.json --batch-size 1 16    # + what structured output's masking costs a step
@@ -22,7 +22,7 @@ import time
 import torch
 
 from cli import DTYPES, default_model, pick_device, pick_dtype, run_cli
-from decode import eager_step, make_step
+from decode import COMPILE_MODES, auto_compile, eager_step, make_step
 from kvcache import KVCache
 from load import load_model
 from model import ModelArgs, Transformer
@@ -131,15 +131,19 @@ def prefill_flops(args: ModelArgs, tokens: int) -> float:
 
 
 def step_weight_bytes(model, batch_size: int) -> float:
-    """Weight bytes a decode step of batch_size one-token rows reads: all of a dense model's; of a mixture of
+    """Weight bytes a decode step of batch_size one-token rows reads: all of a dense model's but the embedding (one
+    row a token, unless it is the head too); of a mixture of
     experts, those of the experts its rows are routed to: k per layer for one row, and for more the expected
     number of distinct experts under uniform routing, E (1 - (1 - k/E)^B) (an estimate: real routers are not)."""
     args = model.args
+    embedding = model.embed_tokens.weight
+    # A step reads one row of the embedding per token; all of it only when it is also the head (tied, float).
+    unread = 0 if getattr(model.lm_head, "weight", None) is embedding else embedding.nbytes
     if args.n_experts is None:
-        return weight_bytes(model)
+        return weight_bytes(model) - unread
     E, k = args.n_experts, args.n_experts_per_token
     one_expert = sum(weight_bytes(layer.mlp.experts[0]) for layer in model.layers)  # one expert of every layer
-    return weight_bytes(model) - (E - E * (1 - (1 - k / E) ** batch_size)) * one_expert
+    return weight_bytes(model) - unread - (E - E * (1 - (1 - k / E) ** batch_size)) * one_expert
 
 
 def sync(device: torch.device) -> None:
@@ -167,11 +171,12 @@ def run_once(model, decode_step, batch_size: int, prompt_len: int, new_tokens: i
             "kv_per_token": cache.bytes_per_token}
 
 
-def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs: int, compile: bool,
+def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs: int, compile: str,
           bandwidth: float, peak_tflops: float) -> dict:
-    if compile:
+    """compile: "none", "blocks" or "full" (decode.make_step's modes, "auto" resolved)."""
+    if compile != "none":
         t0 = time.perf_counter()
-        decode_step = make_step(model, compile=True)
+        decode_step = make_step(model, compile)
         run_once(model, decode_step, batch_size, prompt_len, new_tokens, device)  # compiles
         compile_s = time.perf_counter() - t0
     else:
@@ -251,7 +256,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a published shape instead of --model")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    p.add_argument("--compile", action="store_true", help="compile the decode step (as generate.py --compile)")
+    p.add_argument("--compile", nargs="?", const="full", default="auto", choices=COMPILE_MODES,
+                   help="how the decode step runs, as generate.py --compile (default auto: blocks on CPU)")
     p.add_argument("--quantize", default=None, metavar="MODE", help="int8, int4, int4:GROUP or none (as generate.py)")
     p.add_argument("--quantize-head", action="store_true", help="with --quantize: the LM head too")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
@@ -307,7 +313,8 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"prompt + new tokens = {max_len} exceeds the model's context of {model.args.max_seq_len}")
     bandwidth = measure_bandwidth(device)
     peak_tflops = measure_matmul_tflops(device, dtype)
-    rows = [bench(model, device, b, p, args.new_tokens, args.runs, args.compile, bandwidth, peak_tflops)
+    compile = auto_compile(model) if args.compile == "auto" else args.compile
+    rows = [bench(model, device, b, p, args.new_tokens, args.runs, compile, bandwidth, peak_tflops)
             for b in args.batch_size for p in args.prompt_len]
     if args.json_schema is not None:
         from grammar import Compiler, Constraint, json_schema_arg
@@ -323,13 +330,14 @@ def run(args: argparse.Namespace) -> None:
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
               f"weights {describe(model)} | "
-              f"{'compiled' if args.compile else 'eager'} | {args.new_tokens} new tokens, median of {args.runs}")
-    if args.compile:
+              f"{'eager' if compile == 'none' else 'compiled: ' + compile} | {args.new_tokens} new tokens, "
+              f"median of {args.runs}")
+    if compile != "none":
         header += f" | compile + first run {rows[0]['compile_s']:.1f} s"
     print_table(rows, header, bandwidth, peak_tflops)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": name, "device": device.type, "dtype": str(dtype), "compile": args.compile,
+            json.dump({"model": name, "device": device.type, "dtype": str(dtype), "compile": compile,
                        "bandwidth_gb_s": bandwidth, "matmul_peak_tflop_s": peak_tflops, "results": rows}, f, indent=2)
 
 

@@ -10,6 +10,7 @@ tensors: write to one again only inside inference mode.
 
 Shape legend: B rows, T tokens fed, V vocab.
 """
+import sys
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ import torch
 
 from grammar import Grammar, Matcher, advance, mask_logits
 from kvcache import KVCache
-from model import Transformer
+from model import Block, Transformer
 from quantize import Int8Linear
 from sample import SamplingParams, apply_penalties, sample, sampled_logprobs, token_counts
 
@@ -28,10 +29,11 @@ StepFn = Callable[..., torch.Tensor]  # (model, tokens (B, T), input_pos, cache,
 
 
 def forward_logits(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
-                   all_logits: bool = False) -> torch.Tensor:
+                   all_logits: bool = False, run_block: Callable | None = None) -> torch.Tensor:
     """tokens (B, T) at input_pos (T,) or (B, T) -> the logits after the last token (B, V), or after every token
-    (B, T, V). With T = 1 this is the decode step: fixed shapes, the function torch.compile compiles."""
-    logits = model(tokens, input_pos, cache, all_logits=all_logits)
+    (B, T, V). With T = 1 this is the decode step: fixed shapes, the function torch.compile compiles.
+    run_block: what runs each layer (Transformer.forward), None for the Block itself."""
+    logits = model(tokens, input_pos, cache, all_logits=all_logits, run_block=run_block)
     return logits if all_logits else logits[:, -1]
 
 
@@ -85,12 +87,7 @@ def compiled_step(model: Transformer, prefill: bool = False) -> StepFn:
 
     def graphs_for(m: Transformer) -> tuple:
         if id(m) not in graphs:  # the entry keeps the model, so its id is not reused
-            if m.args.n_experts is not None:
-                # Which experts run depends on the router's output, and each expert is its own module (so
-                # quantization and tensor parallelism treat it as a dense MLP): a graph cannot pick a module by a
-                # computed index.
-                raise ValueError("--compile does not support mixture-of-experts models (Mixtral); "
-                                 "run without --compile")
+            refuse_moe(m)
             options, device = dict(guards), m.embed_tokens.weight.device.type
             if device == "cpu":
                 # The code that calls the step's kernels in C++ instead of Python: less time per step, for a longer
@@ -116,16 +113,79 @@ def compiled_step(model: Transformer, prefill: bool = False) -> StepFn:
             with gemv_backend(tokens):  # read at run time by the matmuls the compiled code calls
                 return one(model, tokens, input_pos, cache, all_logits)
         except torch._dynamo.exc.TorchDynamoException as e:  # compiling failed: say so in one line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise ValueError(f"torch.compile failed ({type(e).__name__}: {first[:200]}); run without --compile") \
-                from None
+            raise ValueError(f"{compile_failure(e)}; run with --compile none") from None
 
     return step
 
 
-def make_step(model: Transformer, compile: bool = False, compile_prefill: bool = False) -> StepFn:
-    """The decode-step policy every generation path uses: eager, or compiled (compile_prefill: prefills too)."""
-    return compiled_step(model, compile_prefill) if compile or compile_prefill else eager_step
+def block_step(model: Transformer, fallback: bool = False) -> StepFn:
+    """eager_step, with each one-token step running its layers through one compiled Block.forward. The layers share
+    their code and shapes, so one graph serves all of them (and Inductor's on-disk cache keeps it for later
+    processes): it compiles in a few seconds where the whole step (compiled_step) takes about a minute, and it
+    removes most of the eager step's per-op dispatch, keeping the embedding, the final norm and the head eager
+    (README, Benchmarks). Prefills run eager. fallback: if compiling fails (no C++ compiler, say), print one warning
+    and go on eagerly (the default, "auto"); else raise a one-line ValueError (--compile blocks)."""
+    refuse_moe(model)
+    options = {"cpp_wrapper": True} if model.embed_tokens.weight.device.type == "cpu" else {}
+    # Dynamo keeps its graphs on Block.forward's code, guarded on the module types (those guards stay here),
+    # so layers of the same structure, of any model, share one graph and other structures get their own.
+    compiled_block = torch.compile(Block.forward, fullgraph=True, options=options)
+    failed = False
+
+    def step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+             all_logits: bool = False) -> torch.Tensor:
+        nonlocal failed
+        if tokens.shape[1] > 1 or failed:
+            return eager_step(model, tokens, input_pos, cache, all_logits)
+        try:
+            with gemv_backend(tokens):
+                return forward_logits(model, tokens, input_pos, cache, all_logits, run_block=compiled_block)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            if not fallback:
+                raise ValueError(f"{compile_failure(e)}; run with --compile none") from None
+            print(f"warning: {compile_failure(e)}; decoding without it", file=sys.stderr)
+            failed = True
+            return eager_step(model, tokens, input_pos, cache, all_logits)
+
+    return step
+
+
+def refuse_moe(model: Transformer) -> None:
+    if model.args.n_experts is not None:
+        # Which experts run depends on the router's output, and each expert is its own module (so quantization and
+        # tensor parallelism treat it as a dense MLP): a graph cannot pick a module by a computed index.
+        raise ValueError("--compile does not support mixture-of-experts models (Mixtral); run with --compile none")
+
+
+def compile_failure(e: Exception) -> str:
+    """A torch.compile error in one line."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"torch.compile failed ({type(e).__name__}: {first[:200]})"
+
+
+COMPILE_MODES = ("auto", "none", "blocks", "full")
+COMPILE_HELP = ("none: eager; blocks: one compiled graph for every layer's decode step (seconds to compile); "
+                "full: the whole decode step as one graph (about a minute to compile on CPU, fastest); auto "
+                "(default): blocks on CPU for a dense model in one process, else none")
+
+
+def auto_compile(model: Transformer) -> str:
+    """What "auto" compiles: "blocks" on CPU, where the eager step is dominated by per-op dispatch, for a dense
+    model in one process; "none" on CUDA, for Mixtral (no compile) and under tensor parallelism (tp.py)."""
+    dense = model.args.n_experts is None and all(block.all_reduce is None for block in model.layers)
+    return "blocks" if model.embed_tokens.weight.device.type == "cpu" and dense else "none"
+
+
+def make_step(model: Transformer, compile: str = "none", compile_prefill: bool = False) -> StepFn:
+    """The decode-step policy every generation path uses. compile is one of COMPILE_MODES: "none" eager_step,
+    "blocks" block_step, "full" compiled_step (compile_prefill: the prefills too), "auto" auto_compile's choice
+    (blocks falls back to eager if compiling fails)."""
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {compile!r}; choose from {', '.join(COMPILE_MODES)}")
+    if compile_prefill or compile == "full":
+        return compiled_step(model, compile_prefill)
+    mode = auto_compile(model) if compile == "auto" else compile
+    return block_step(model, fallback=compile == "auto") if mode == "blocks" else eager_step
 
 
 def new_cache(model: Transformer, batch_size: int, max_seq_len: int, kv_dtype: str = "model") -> KVCache:

@@ -14,7 +14,7 @@ import torch
 
 import tp
 from cli import DTYPES, FALLBACK_MODEL, check_seed, check_text, default_model, pick_device, pick_dtype, run_cli
-from decode import Session, generate, generate_batch, make_step
+from decode import COMPILE_HELP, COMPILE_MODES, Session, auto_compile, generate, generate_batch, make_step
 from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
 from load import load_model
 from model import Transformer
@@ -78,8 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "a CPU with AVX512-BF16 or AMX; else float32)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
-    p.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
-    p.add_argument("--compile-prefill", action="store_true", help="--compile, and the prefill too (dynamic "
+    p.add_argument("--compile", nargs="?", const="full", default="auto", choices=COMPILE_MODES,
+                   help=f"torch.compile the decode step; --compile alone is full. {COMPILE_HELP}")
+    p.add_argument("--compile-prefill", action="store_true", help="--compile full, and the prefill too (dynamic "
                    "prompt length: no recompiles; opt-in, since its compile time rarely pays on CPU: see README)")
     p.add_argument("--quantize", default=None, metavar="MODE",
                    help="weight-only quantization of the linear layers while loading: int8 (per output channel), "
@@ -207,9 +208,11 @@ def run(args: argparse.Namespace) -> None:
     generator.manual_seed(seed if shard is None else tp.same_seed(seed, device))
     if shard is not None:
         tp.install(model)
-    compiled = args.compile or args.compile_prefill
     step = make_step(model, args.compile, args.compile_prefill)
-    setup = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why}){' compiled' if compiled else ''}"
+    compiled = compile_mode(args, model)
+    setup = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
+    setup += f" | compiled: {compiled}" if compiled != "none" else " | eager"
+    setup += "" if args.compile != "auto" or args.compile_prefill else " (auto)"
     setup += " (+prefill)" if args.compile_prefill else ""
     if shard is not None:
         setup += f" | tensor parallel x{shard.world} (this rank's weights)"
@@ -263,9 +266,16 @@ def run(args: argparse.Namespace) -> None:
         if not args.json:
             print_logprobs(c, tokenizer, args.logprobs)
         if not args.quiet:
-            print(f"{summary(c, compiled)} | {setup}", file=sys.stderr)
+            print(f"{summary(c, compiled != 'none')} | {setup}", file=sys.stderr)
             if stats is not None:
                 print(stats.report(), file=sys.stderr)
+
+
+def compile_mode(args: argparse.Namespace, model: Transformer) -> str:
+    """What the step compiles: "none", "blocks" or "full" ("auto" resolved; --compile-prefill is full)."""
+    if args.compile_prefill:
+        return "full"
+    return auto_compile(model) if args.compile == "auto" else args.compile
 
 
 def quantization_summary(model: Transformer, kv_dtype: str) -> str:
@@ -344,8 +354,7 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
         if not args.json:
             print_logprobs(c, tokenizer, args.logprobs)
         if not args.quiet:
-            compiled = (args.compile or args.compile_prefill) and n == 1
-            print(f"turn {n} | {summary(c, compiled)} | {setup}", file=sys.stderr)
+            print(f"turn {n} | {summary(c, compile_mode(args, model) != 'none' and n == 1)} | {setup}", file=sys.stderr)
         messages.append({"role": "assistant", "content": c.text})
         turn = None
 

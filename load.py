@@ -24,8 +24,9 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+from gguffile import GGUFTensor, read_gguf
 from model import ModelArgs, Transformer
-from quantize import N_MULTIPLE, Int4Linear, dequantize_state, mode_name, parse_mode, swap_linears
+from quantize import N_MULTIPLE, Int4Linear, Int8GroupLinear, dequantize_state, mode_name, parse_mode, swap_linears
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -415,62 +416,57 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
     return assign_weights(model, state, device, frozenset(filled))
 
 
-def gguf_value(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_args(reader) -> ModelArgs:
+def gguf_args(meta: dict, tensors: list[GGUFTensor]) -> ModelArgs:
     """ModelArgs from GGUF metadata (llama architecture only)."""
-    arch = gguf_value(reader, "general.architecture")
+    arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
-    names = {t.name for t in reader.tensors}
-    n_heads = gguf_value(reader, "llama.attention.head_count")
-    dim = gguf_value(reader, "llama.embedding_length")
-    head_dim = gguf_value(reader, "llama.attention.key_length", dim // n_heads)
-    if gguf_value(reader, "llama.rope.dimension_count", head_dim) != head_dim:
+    names = {t.name for t in tensors}
+    n_heads = meta.get("llama.attention.head_count")
+    dim = meta.get("llama.embedding_length")
+    head_dim = meta.get("llama.attention.key_length", dim // n_heads)
+    if meta.get("llama.rope.dimension_count", head_dim) != head_dim:
         raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")
-    scaling_type = gguf_value(reader, "llama.rope.scaling.type", "none")
+    scaling_type = meta.get("llama.rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear'")
     rope_scaling = None
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": gguf_value(reader, "llama.rope.scaling.factor")}
-    vocab = gguf_value(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    n_experts = gguf_value(reader, "llama.expert_count", 0) or None  # Mixtral: > 0
+        rope_scaling = {"rope_type": "linear", "factor": meta.get("llama.rope.scaling.factor")}
+    vocab = meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    n_experts = meta.get("llama.expert_count", 0) or None  # Mixtral: > 0
     return ModelArgs(
         vocab_size=vocab,
         dim=dim,
-        n_layers=gguf_value(reader, "llama.block_count"),
+        n_layers=meta.get("llama.block_count"),
         n_heads=n_heads,
-        hidden_dim=gguf_value(reader, "llama.feed_forward_length"),
-        n_kv_heads=gguf_value(reader, "llama.attention.head_count_kv", n_heads),
+        hidden_dim=meta.get("llama.feed_forward_length"),
+        n_kv_heads=meta.get("llama.attention.head_count_kv", n_heads),
         head_dim=head_dim,
-        norm_eps=gguf_value(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=gguf_value(reader, "llama.rope.freq_base", 10000.0),
+        norm_eps=meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=meta.get("llama.rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
-        max_seq_len=gguf_value(reader, "llama.context_length", 4096),
+        max_seq_len=meta.get("llama.context_length", 4096),
         tie_embeddings="output.weight" not in names,  # llama.cpp drops the head of tied models
         n_experts=n_experts,
-        n_experts_per_token=gguf_value(reader, "llama.expert_used_count", 2) if n_experts else 2,
+        n_experts_per_token=meta.get("llama.expert_used_count", 2) if n_experts else 2,
     )
 
 
 @dataclass
 class ExpertSlice:
     """One expert's (N, K) matrix of a GGUF tensor that stacks all E experts, read as gguf_int4 and
-    gguf_dequantize read a reader tensor: its data rows and block type."""
+    gguf_dequantize read a file tensor (gguffile.GGUFTensor): its data rows and block type."""
     data: object  # numpy rows (N, K) or (N, bytes per row) of one expert
     tensor_type: object
 
 
-def gguf_tensors(reader) -> tuple[dict, dict[str, tuple]]:
-    """The file's tensors under our names ({name: reader tensor or ExpertSlice}) and their torch shapes: a stacked
+def gguf_tensors(file_tensors: list[GGUFTensor]) -> tuple[dict, dict[str, tuple]]:
+    """The file's tensors under our names ({name: GGUFTensor or ExpertSlice}) and their torch shapes: a stacked
     `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C)."""
     tensors, shapes = {}, {}
-    for t in reader.tensors:
-        shape = tuple(reversed(t.shape.tolist()))  # GGUF lists dimensions fastest-first; torch the reverse
+    for t in file_tensors:
+        shape = t.shape
         parts = t.name.split(".")
         if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_EXPERT_NAMES and len(shape) == 3:
             for e in range(shape[0]):
@@ -532,13 +528,22 @@ def gguf_int4(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, to
     return codes, d, zeros
 
 
+def gguf_q8_0(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's codes (N, K) int8 and per-block scale d (N, K/32) float32: w = d * q. A block is d (float16)
+    and 32 int8 codes."""
+    N, K = shape
+    raw = torch.from_numpy(t.data.copy()).view(N, K // 32, 34)  # (N, blocks, bytes per block)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, K/32)
+    return raw[..., 2:].contiguous().view(torch.int8).reshape(N, K), d
+
+
 def gguf_dequantize(t, shape: tuple[int, ...], rows: int = 4096) -> torch.Tensor:
     """A GGUF tensor as float32, dequantized `rows` rows at a time: numpy's temporaries for a large
     embedding would otherwise be several times its size, and set the peak memory of the whole load."""
     import gguf
 
     out = torch.empty(shape, dtype=torch.float32)
-    flat = out.view(shape[0], -1)  # (rows, ...) -> 2-D; the reader's data has one row per torch row
+    flat = out.view(shape[0], -1)  # (rows, ...) -> 2-D; the file's data has one row per torch row
     for i in range(0, shape[0], rows):
         block = gguf.quants.dequantize(t.data[i:i + rows], t.tensor_type)  # may be a read-only memory-map view
         flat[i:i + rows] = torch.from_numpy(block.reshape(flat[i:i + rows].shape).copy())
@@ -552,11 +557,14 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
     import gguf
 
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError) as e:  # IndexError: the file ends inside its metadata
+        meta, file_tensors = read_gguf(path)
+    except (ValueError, OSError) as e:
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from None
-    full_args = gguf_args(reader)
-    tensors, full_shapes = gguf_tensors(reader)
+    full_args = gguf_args(meta, file_tensors)
+    tensors, full_shapes = gguf_tensors(file_tensors)
+    # No --quantize, and bf16 (or fp16) activations: a Q8_0 head stays Q8_0 (below). A float32 model keeps a float32
+    # head: the int4 kernel that runs it would round the activations to bf16, and the head sets the logits.
+    q8_0_head = quantize is None and shard is None and dtype != torch.float32
     rope_freqs = tensors.pop("rope_freqs.weight", None)  # Llama 3.1 GGUFs: per-frequency rope divisors
     full_shapes.pop("rope_freqs.weight", None)
     if rope_freqs is not None:
@@ -566,7 +574,7 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
         model = Transformer(args)
     shapes = {k: shard.local_shape(k, v, full_args) for k, v in full_shapes.items()} if shard else full_shapes
     check_tensors(checkpoint_shapes(model), shapes, path)
-    reader.fields.clear()  # the metadata (the vocabulary: ~100k small arrays, ~100 MB) is read; free it
+    del meta  # the vocabulary's ~100k strings are not needed any more
     # A shard slices dequantized tensors; a quantized head is quantized from the dequantized embedding.
     native = None if shard or quantize_head else gguf_native_mode(tensors, quantize)
     if native is not None:  # the file's 4-bit codes, as they are
@@ -598,4 +606,12 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
         if name is not None:
             state.update(convert(name, w, device, dtype))
         release_freed_memory()
-    return assign_weights(model, state, device, frozenset(filled))
+    model = assign_weights(model, state, device, frozenset(filled))
+    head = tensors.get("lm_head.weight", tensors["embed_tokens.weight"])  # a tied head is the embedding
+    if q8_0_head and head.tensor_type.name == "Q8_0":
+        # The file's Q8_0 head as it is (Int8GroupLinear): the largest matrix of a small model, read every step in
+        # 1.25 bytes a weight instead of bf16's 2. A tied embedding keeps its dequantized copy for the lookup.
+        model.lm_head = Int8GroupLinear(args.dim, args.vocab_size, device="meta")  # load_codes assigns its buffers
+        model.lm_head.load_codes(*(t.to(device) for t in gguf_q8_0(head, (args.vocab_size, args.dim))))
+        release_freed_memory()
+    return model

@@ -217,10 +217,11 @@ class Int4Linear(nn.Module):
         if self.kernel is not None or self.weight.device.type == "meta":
             return
         kernel = int4_kernel(self.weight.device)
-        codes = unpack_int4(self.weight)  # (N, K)
-        if kernel == "cpu":
-            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        if kernel == "cpu":  # it packs each block of 16 rows on its own, so blocks of rows keep int32 copies small
+            self.weight = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                unpack_int4(rows).to(torch.int32), 1) for rows in self.weight.split(ROW_BLOCK)])
         elif kernel == "cuda":
+            codes = unpack_int4(self.weight)  # (N, K)
             high_first = (codes[:, 0::2] << 4) | codes[:, 1::2]  # the CUDA packer wants even k in the high nibble
             self.weight = torch.ops.aten._convert_weight_to_int4pack(high_first, cuda_inner_k_tiles(self.in_padded))
         self.kernel = kernel
@@ -276,6 +277,50 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, kernel={self.kernel}")
+
+
+class Int8GroupLinear(nn.Module):
+    """y = x @ W^T with W = codes * scale: int8 codes and one scale per group of 32 inputs, a GGUF Q8_0 tensor as the
+    file holds it. PyTorch has no group-wise int8 kernel, so the int4 kernel runs it as two 4-bit halves: with
+    hi = q >> 4 in [-8, 7] and lo = q & 15 in [0, 15], q = 16 hi + lo and w = 16d·hi + d·lo. In the int4 scheme
+    w = (code - 8)·scale + zero that is code hi + 8 with scale 16d and zero 0, and code lo with scale d and zero 8d:
+    exact but for d's rounding to bf16 (16d and 8d are then exact too). The halves are one Int4Linear of 2K inputs,
+    [hi | lo], multiplied by [x | x]: 1.25 bytes a weight (the codes, and a bf16 scale and zero per 32 of each half)
+    against 2 for the dequantized bf16 matrix. Used for a GGUF's Q8_0 head (load.py), the largest matrix of a small
+    model (README, Benchmarks)."""
+
+    def __init__(self, in_features: int, out_features: int, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.halves = Int4Linear(2 * in_features, out_features, 32, device)
+
+    def load_codes(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """codes (N, K) int8, scales (N, K/32) float: w = codes * scale for each group of 32. Converted ROW_BLOCK
+        rows at a time, straight to the plain int4 buffers: a large head's temporaries stay small."""
+        weight, scales_and_zeros = [], []
+        for c, s in zip(codes.split(ROW_BLOCK), scales.float().split(ROW_BLOCK)):
+            u = c.view(torch.uint8)  # the same bits: q mod 256
+            # hi = floor(q / 16) is the high nibble h read as signed, so hi + 8 = h ^ 8; lo is the low nibble
+            weight.append(pack_int4(torch.cat([(u >> 4) ^ 8, u & 15], dim=1)))  # (n, 2K) codes -> (n, K) bytes
+            scale, zero = torch.cat([16 * s, s], dim=1), torch.cat([torch.zeros_like(s), 8 * s], dim=1)  # (n, 2K/32)
+            scales_and_zeros.append(torch.stack([scale, zero], dim=-1).transpose(0, 1).to(KERNEL_DTYPE))
+        weight, scales_and_zeros = torch.cat(weight), torch.cat(scales_and_zeros, dim=1)
+        pad = self.halves.out_padded - codes.shape[0]
+        if pad:  # rows of code 8 with scale and zero 0: weight 0 (F.pad copies even when it adds nothing)
+            weight = F.pad(weight, (0, 0, 0, pad), value=0x88)
+            scales_and_zeros = F.pad(scales_and_zeros, (0, 0, 0, pad))
+        self.halves.load_state_dict({"weight": weight, "scales_and_zeros": scales_and_zeros}, assign=True)
+
+    def dequantize(self) -> torch.Tensor:
+        """The (N, K) float32 weight this module multiplies by: codes * bf16(scale), exactly."""
+        w = self.halves.dequantize()  # (N, 2K): the two halves
+        return w[:, :self.in_features] + w[:, self.in_features:]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.halves(torch.cat([x, x], dim=-1))  # (..., N)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size=32"
 
 
 def make_quantized_linear(kind: str, group: int | None, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
@@ -345,9 +390,10 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def describe(model: nn.Module) -> str:
-    """'int4:32', 'int8 (+head)' or 'float': the weights a decode step reads, for summary lines."""
+    """'int4:32', 'int8 (+head)', 'int4:32 (+head int8:32)' or 'float': the weights a decode step reads, for
+    summary lines."""
     q = quantization_of(model)
-    if q is None:
-        return "float"
-    group = f":{q['group_size']}" if q["group_size"] else ""
-    return q["quantization"] + group + (" (+head)" if q["quantize_head"] == "true" else "")
+    blocks = "float" if q is None else q["quantization"] + (f":{q['group_size']}" if q["group_size"] else "")
+    if isinstance(model.lm_head, Int8GroupLinear):  # a GGUF's Q8_0 head, as the file has it (load.py)
+        return blocks + " (+head int8:32)"
+    return blocks + (" (+head)" if q is not None and q["quantize_head"] == "true" else "")

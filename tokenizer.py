@@ -113,11 +113,10 @@ def load_tokenizer(path: str) -> Tokenizer:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path!r} is not a GGUF file (magic {magic!r}); pass a .gguf file or a model folder")
-    from gguf import GGUFReader
+    from gguffile import read_gguf
 
-    reader = GGUFReader(path)
-    return tokenizer_from_gguf_metadata(
-        {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")})
+    meta, _ = read_gguf(path)
+    return tokenizer_from_gguf_metadata({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
 
 
 def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:

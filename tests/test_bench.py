@@ -72,9 +72,19 @@ def test_mixtral_benchmark_counts_active_bytes(tmp_path, capsys):
     assert "% roofline" in capsys.readouterr().out
     model = hf_to_ours(hf)
     expert = sum(p.numel() * 4 for layer in model.layers for p in layer.mlp.experts[0].parameters())
-    total = sum(p.numel() * 4 for p in model.parameters())
+    total = sum(p.numel() * 4 for p in model.parameters()) - model.embed_tokens.weight.nbytes  # one row read
     assert bench.step_weight_bytes(model, 1) == total - 6 * expert  # 8 experts, 2 read
     assert total - 6 * expert < bench.step_weight_bytes(model, 4) < total
+
+
+def test_a_step_reads_the_embedding_only_as_the_head(tiny):
+    """A dense step reads every weight but an embedding that is not also the head (it reads a row of that)."""
+    from tiny_models import hf_to_ours, make_hf
+    from quantize import weight_bytes
+
+    assert bench.step_weight_bytes(tiny, 1) == weight_bytes(tiny) - tiny.embed_tokens.weight.nbytes  # untied
+    tied = hf_to_ours(make_hf("llama-tied"))
+    assert bench.step_weight_bytes(tied, 1) == weight_bytes(tied)
 
 
 def test_mask_cost_walks_the_grammar():

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from decode import (Session, common_prefix, compiled_step, eager_step, end_reason, gemv_backend, generate,
-                    generate_batch, make_step, new_cache, sample_tokens)
+from decode import (Session, auto_compile, block_step, common_prefix, compiled_step, eager_step, end_reason,
+                    gemv_backend, generate, generate_batch, make_step, new_cache, sample_tokens)
 from helpers import complete_greedy
 from kvcache import KVCache
 from sample import SamplingParams, apply_penalties, logits_to_logprobs, token_counts
@@ -284,8 +284,81 @@ def test_smollm2_chat_second_turn_matches_a_fresh_run(smollm2):
 # ---- the decode step: one policy (make_step), eager or compiled ----
 
 def test_make_step_is_the_one_policy(tiny):
-    assert make_step(tiny) is eager_step
-    assert make_step(tiny, compile=True) is not eager_step and make_step(tiny, compile_prefill=True) is not eager_step
+    assert make_step(tiny) is eager_step and make_step(tiny, "none") is eager_step
+    assert make_step(tiny, compile="full") is not eager_step and make_step(tiny, compile_prefill=True) is not eager_step
+    assert make_step(tiny, "blocks") is not eager_step and make_step(tiny, "auto") is not eager_step
+    with pytest.raises(ValueError, match=r"^unknown compile mode 'fast'; choose from auto, none, blocks, full$"):
+        make_step(tiny, "fast")
+
+
+def test_auto_compiles_blocks_for_a_dense_model_in_one_cpu_process(tiny):
+    from tiny_models import hf_to_ours, make_hf
+
+    assert auto_compile(tiny) == "blocks"
+    sharded = copy.deepcopy(tiny)
+    for block in sharded.layers:
+        block.all_reduce = lambda t: t  # what tp.install sets: a collective inside every block
+    assert auto_compile(sharded) == "none"
+    moe = hf_to_ours(make_hf("mixtral-8x2"))
+    assert auto_compile(moe) == "none" and make_step(moe, "auto") is eager_step
+    with pytest.raises(ValueError, match=r"^--compile does not support mixture-of-experts"):
+        make_step(moe, "blocks")
+
+
+def greedy_steps(model, step, prompt: list[int], n: int, rows: int = 1) -> torch.Tensor:
+    """Prefill `prompt` (in `rows` identical rows), then n greedy one-token steps: the logits (n + 1, rows, V)."""
+    cache = KVCache.for_model(model.args, rows, len(prompt) + n, torch.float32, "cpu")
+    logits = step(model, torch.tensor([prompt] * rows), torch.arange(len(prompt)), cache)
+    out = [logits]
+    for pos in range(len(prompt), len(prompt) + n):
+        logits = step(model, logits.argmax(-1, keepdim=True), torch.tensor([pos]), cache)
+        out.append(logits)
+    return torch.stack(out)
+
+
+@pytest.mark.slow
+def test_block_step_matches_eager(tiny):
+    """--compile blocks (the CPU default): one compiled Block.forward runs every layer of a decode step. 24 greedy
+    steps give eager's logits (<= 1e-4), for one row and for three; another prompt recompiles nothing; an int4 copy
+    of the model (other module types, as a self-draft has) gets a graph of its own and its own eager logits."""
+    import torch._dynamo
+
+    from quantize import quantize_model
+
+    torch._dynamo.reset()
+    step = block_step(tiny)
+    for rows in (1, 3):
+        fast, eager = greedy_steps(tiny, step, [7, 8, 9], 24, rows), greedy_steps(tiny, eager_step, [7, 8, 9], 24, rows)
+        assert (fast - eager).abs().max() <= 1e-4
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = greedy_steps(tiny, step, [11, 12, 13], 24)  # the same cache size: a new one is a new shape
+    assert (again - greedy_steps(tiny, eager_step, [11, 12, 13], 24)).abs().max() <= 1e-4
+    int4 = quantize_model(copy.deepcopy(tiny), "int4:32")
+    fast, eager = greedy_steps(int4, step, [7, 8, 9], 24), greedy_steps(int4, eager_step, [7, 8, 9], 24)
+    assert torch.equal(fast.argmax(-1), eager.argmax(-1))
+    assert (fast - eager).abs().max() <= 1e-2 * eager.abs().max()  # the bf16 kernel; the code around it is fused
+
+
+def broken_compile(fn, **kwargs):
+    """A torch.compile whose compiled function fails as Inductor does when it cannot build a kernel."""
+    import torch._dynamo.exc
+
+    def fail(*args, **kwargs):
+        raise torch._dynamo.exc.BackendCompilerFailed("inductor", RuntimeError("CppCompileError: no g++"), None)
+    return fail
+
+
+def test_auto_blocks_fall_back_to_eager_when_compiling_fails(tiny, monkeypatch, capsys):
+    """The default must run where torch.compile cannot (no C++ compiler): one warning, then eager's logits. Asked
+    for explicitly (--compile blocks), the failure is a one-line error."""
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    step = make_step(tiny, "auto")
+    assert torch.equal(greedy_steps(tiny, step, [7, 8, 9], 4), greedy_steps(tiny, eager_step, [7, 8, 9], 4))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: torch.compile failed (BackendCompilerFailed")
+    assert err.rstrip().endswith("decoding without it")
+    with pytest.raises(ValueError, match=r"torch.compile failed \(BackendCompilerFailed.*run with --compile none"):
+        greedy_steps(tiny, make_step(tiny, "blocks"), [7, 8, 9], 1)
 
 
 @pytest.mark.slow
@@ -397,15 +470,8 @@ def test_compiled_quantized_decode_matches_eager(tiny, mode):
 
 
 def test_a_compile_failure_is_a_one_line_value_error(tiny, monkeypatch):
-    import torch._dynamo.exc
-
-    def broken(fn, **kwargs):
-        def fail(*args):
-            raise torch._dynamo.exc.BackendCompilerFailed("inductor", RuntimeError("LoweringException: boom"), None)
-        return fail
-
-    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(torch, "compile", broken_compile)
     step = compiled_step(tiny)
     cache = KVCache.for_model(tiny.args, 1, 8, torch.float32, "cpu")
-    with pytest.raises(ValueError, match=r"torch.compile failed \(BackendCompilerFailed.*run without --compile"):
+    with pytest.raises(ValueError, match=r"torch.compile failed \(BackendCompilerFailed.*run with --compile none"):
         step(tiny, torch.tensor([[1]]), torch.tensor([0]), cache)

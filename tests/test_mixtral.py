@@ -281,7 +281,7 @@ def test_speculative_greedy_matches_plain_greedy(ours):
 
 def test_compile_refused_in_one_line(ours):
     with pytest.raises(ValueError, match=r"^--compile does not support mixture-of-experts models \(Mixtral\)"):
-        make_step(ours, compile=True)
+        make_step(ours, compile="full")
 
 
 # ---- tensor parallel ----

@@ -88,6 +88,28 @@ def test_reference_path_matches_dequantize(mode, n, k, monkeypatch):
     torch.testing.assert_close(module(x), F.linear(x, module.dequantize()), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n, k", [(64, 32), (50, 96), (200, 576)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_int8_runs_exactly_as_two_int4_halves(n, k, dtype):
+    """Int8GroupLinear (a GGUF Q8_0 matrix, run by the int4 kernel as q = 16 hi + lo): the weight it multiplies by is
+    exactly codes * bf16(scale) for every code in [-128, 127], and its output equals F.linear with that weight
+    within the kernel's bf16 rounding, for 1 and 7 rows (out_features padded to 16 where needed)."""
+    torch.manual_seed(0)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    codes[0, :32] = torch.arange(-128, 128, 8, dtype=torch.int8)  # both extremes and every high nibble
+    codes[1, :32] = torch.arange(-16, 16, dtype=torch.int8)  # every low nibble, on both sides of 0
+    scales = torch.rand(n, k // 32) * 0.02 + 1e-4  # float16-sized, as a Q8_0 file stores them
+    module = q.Int8GroupLinear(k, n)
+    module.load_codes(codes, scales)
+    exact = codes.float() * scales.to(torch.bfloat16).float().repeat_interleave(32, dim=1)  # (N, K)
+    assert torch.equal(module.dequantize(), exact)
+    for rows in (1, 7):
+        x = torch.randn(rows, k, dtype=dtype)
+        y = module(x)
+        assert y.shape == (rows, n) and y.dtype == dtype
+        assert rel_err(y, F.linear(x.float(), exact)) < 1e-2
+
+
 @pytest.mark.parametrize("mode, message", [
     ("fp8", "unknown quantization mode 'fp8'"),
     ("int8:64", "unknown quantization mode 'int8:64'"),

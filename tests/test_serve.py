@@ -622,12 +622,17 @@ DEEP = 100_000
     (b'{"messages": [{"role": "user", "content": "\\udbff"}]}', "messages"),
     (b"[" * DEEP + b"]" * DEEP, None),
     (b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}", None),
-    (b'{"prompt": "hi", "n": ' + b"[" * 990 + b"]" * 990 + b"}", None),  # parses; quoting it in a message recursed
+    (b'{"prompt": "hi", "n": ' + b"[" * 990 + b"]" * 990 + b"}", "n"),  # parses; quoting it in a message recursed
 ])
 def test_lone_surrogates_and_deep_nesting_are_400(reference, greedy_8, caplog, body, param):
     """Valid JSON that used to be a plain-text 500 with a traceback: a 400 in OpenAI's format, counted, no
     traceback logged, and the server answers on."""
     chat = b"messages" in body
+    if param == "n":  # 990 levels parse only under a recursion limit above Python's default (Inductor raises it)
+        try:
+            json.loads(body)
+        except RecursionError:
+            param = None
 
     async def scenario():
         async with in_process(local_app(reference)) as c:

@@ -135,7 +135,7 @@ def test_compiled_greedy_matches_plain_greedy_tiny(tiny):
     import torch._dynamo
 
     torch._dynamo.reset()
-    step = make_step(tiny, compile=True)
+    step = make_step(tiny, compile="full")
     prompt = [5, 17, 42, 99, 3, 5, 17, 42, 7]
     want = greedy_ids(tiny, prompt, 32)
     for name, draft in tiny_drafts(tiny, step).items():
@@ -165,10 +165,10 @@ def test_rollback_leaves_the_target_cache_exact(tiny):
     caches = []
     original = target.forward
 
-    def spy(tokens, input_pos, cache=None, all_logits=False):  # keep the target's cache for after the run
+    def spy(tokens, input_pos, cache=None, **kw):  # keep the target's cache for after the run
         if cache is not None and not caches:
             caches.append(cache)
-        return original(tokens, input_pos, cache, all_logits)
+        return original(tokens, input_pos, cache, **kw)
 
     target.forward = spy
     try:

@@ -4,7 +4,8 @@ Batch-1 decode reads every weight (and the KV cache) once per token, so its ceil
 memory bandwidth / bytes per step; prefill pushes many tokens through each weight read and is
 compute-bound. bench.py measures this machine's bandwidth itself and reports how close decode gets.
 
-  python bench.py --model M [--dtype bfloat16] [--compile [none|blocks|full]] [--batch-size 1] [--prompt-len 32] [--new-tokens 128]
+  python bench.py --model M [--dtype bfloat16] [--compile [none|blocks|full]] [--batch-size 1] [--prompt-len 32]
+      [--new-tokens 128]
   python bench.py --shape llama-2-7b --device cuda --compile      # random weights, no download
   python bench.py --plan --shape llama-2-7b [--memory-gib 80] [--context 4096]
   python bench.py --json-schema schema.json --batch-size 1 16    # + what structured output's masking costs a step

@@ -297,8 +297,17 @@ def test_readme_command_with_the_default_model():
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     summary = result.stderr.strip().splitlines()[-1]
-    for field in ("prompt tokens 5", "generated tokens 16", "TTFT", "decode", "tokens/s"):
+    for field in ("prompt tokens 5", "generated tokens 16", "TTFT", "decode", "tokens/s",
+                  "first decode step (compile)", "compiled: blocks (auto)", "int4:32 (+head int8:32)"):
         assert field in summary
+
+
+def test_compile_flag_modes():
+    """--compile: auto by default, full when given alone (as it meant before it took a mode), or a named mode."""
+    parse = lambda *flags: generate.parse_args(["--prompt", "hi", *flags]).compile  # noqa: E731
+    assert (parse(), parse("--compile"), parse("--compile", "none"), parse("--compile", "blocks")) == \
+        ("auto", "full", "none", "blocks")
+    assert parse("--compile", "--temperature", "0") == "full"
 
 
 @pytest.mark.slow

@@ -564,7 +564,9 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
     tensors, full_shapes = gguf_tensors(file_tensors)
     # No --quantize, and bf16 (or fp16) activations: a Q8_0 head stays Q8_0 (below). A float32 model keeps a float32
     # head: the int4 kernel that runs it would round the activations to bf16, and the head sets the logits.
-    q8_0_head = quantize is None and shard is None and dtype != torch.float32
+    head_name = "lm_head.weight" if "lm_head.weight" in tensors else "embed_tokens.weight"  # tied: the embedding
+    q8_0_head = quantize is None and shard is None and dtype != torch.float32 and \
+        tensors[head_name].tensor_type.name == "Q8_0"
     rope_freqs = tensors.pop("rope_freqs.weight", None)  # Llama 3.1 GGUFs: per-frequency rope divisors
     full_shapes.pop("rope_freqs.weight", None)
     if rope_freqs is not None:
@@ -581,10 +583,19 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
         modules = {f"{name}.weight": (name, m) for name, m in swap_linears(model, native).items()}
         quantize, quantize_head = None, False
     convert, filled = quantizer(model, None if quantize == "none" else quantize, quantize_head)
+    if q8_0_head:
+        # The file's Q8_0 head as it is (Int8GroupLinear): the largest matrix of a small model, read every step in
+        # 1.25 bytes a weight instead of bf16's 2. A tied embedding keeps its dequantized copy for the lookup.
+        model.lm_head = Int8GroupLinear(args.dim, args.vocab_size, device="meta")  # load_codes assigns its buffers
+        filled.add("lm_head.halves")
 
     state, joiner = {}, Joiner(model)
     for name, t in tqdm(tensors.items(), desc="loading", disable=not progress, unit="tensor"):
         shape = full_shapes[name]
+        if q8_0_head and name == head_name:
+            model.lm_head.load_codes(*(x.to(device) for x in gguf_q8_0(t, shape)))
+            if name == "lm_head.weight":  # untied: nothing else reads it
+                continue
         heads = full_args.n_heads if "q_proj" in name else full_args.n_kv_heads
         if native is not None and t.tensor_type.name in GGUF_INT4 and "_proj." in name:
             codes, scales, zeros = gguf_int4(t, shape)
@@ -606,12 +617,4 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
         if name is not None:
             state.update(convert(name, w, device, dtype))
         release_freed_memory()
-    model = assign_weights(model, state, device, frozenset(filled))
-    head = tensors.get("lm_head.weight", tensors["embed_tokens.weight"])  # a tied head is the embedding
-    if q8_0_head and head.tensor_type.name == "Q8_0":
-        # The file's Q8_0 head as it is (Int8GroupLinear): the largest matrix of a small model, read every step in
-        # 1.25 bytes a weight instead of bf16's 2. A tied embedding keeps its dequantized copy for the lookup.
-        model.lm_head = Int8GroupLinear(args.dim, args.vocab_size, device="meta")  # load_codes assigns its buffers
-        model.lm_head.load_codes(*(t.to(device) for t in gguf_q8_0(head, (args.vocab_size, args.dim))))
-        release_freed_memory()
-    return model
+    return assign_weights(model, state, device, frozenset(filled))

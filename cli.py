@@ -36,21 +36,27 @@ def pick_device(name: str | None) -> torch.device:
     return device
 
 
-def native_bf16(device: torch.device) -> str | None:
-    """Why `device` computes bfloat16 natively (CUDA; a CPU with AVX512-BF16 or AMX), or None."""
+def native_bf16(device: torch.device, capability: str | None = None) -> str | None:
+    """Why `device` computes bfloat16 natively (CUDA; a CPU with AVX512-BF16 or AMX), or None. On CPU the
+    instructions must be there (CPUID) and torch must dispatch its AVX-512 kernels (capability, default
+    torch.backends.cpu.get_cpu_capability(): ATEN_CPU_CAPABILITY=avx2 runs the AVX2 kernels, which emulate bf16)."""
     if device.type == "cuda":
         return "CUDA"
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        return None
     features = [name for name, has in (("AMX", torch.cpu._is_amx_tile_supported()),
                                        ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported())) if has]
     return ", ".join(features) or None
 
 
-def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+def pick_dtype(name: str, device: torch.device, capability: str | None = None) -> tuple[torch.dtype, str]:
     """(dtype, why) for a DTYPES name, or "auto": bfloat16 where the device computes it natively (half the bytes
-    a decode step reads, at full speed), else float32 (a CPU without bf16 instructions emulates it slowly)."""
+    a decode step reads, at full speed), else float32 (a CPU without bf16 instructions emulates it slowly).
+    capability: the CPU kernels torch dispatches (native_bf16)."""
     if name != "auto":
         return DTYPES[name], "--dtype"
-    why = native_bf16(device)
+    why = native_bf16(device, capability)
     return (torch.bfloat16, f"auto: {why} computes bf16") if why else (torch.float32, "auto: no native bf16")
 
 

@@ -20,11 +20,11 @@ import torch
 
 from grammar import Grammar, Matcher, advance, mask_logits
 from kvcache import KVCache
-from model import Block, Transformer
+from model import DECODE_QUERIES, Block, Transformer
 from quantize import Int8Linear
 from sample import SamplingParams, apply_penalties, sample, sampled_logprobs, token_counts
 
-PAD_ID = 0  # fills left-padded prompt slots and feeds finished batch rows; its keys/values are never attended
+PAD_ID = 0  # feeds finished batch rows; its keys/values are never attended
 StepFn = Callable[..., torch.Tensor]  # (model, tokens (B, T), input_pos, cache, all_logits=False) -> logits
 
 
@@ -135,7 +135,11 @@ def block_step(model: Transformer, fallback: bool = False) -> StepFn:
     def step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
              all_logits: bool = False) -> torch.Tensor:
         nonlocal failed
-        if tokens.shape[1] > 1 or failed:
+        # A verify (every position's logits, a few tokens) runs the compiled block too, so that each of its rows
+        # is the decode step's row bitwise (greedy speculative == plain greedy); a new token count compiles once
+        # more, then the count is symbolic. Prefills run eager.
+        verify = all_logits and tokens.shape[1] <= DECODE_QUERIES
+        if (tokens.shape[1] > 1 and not verify) or failed:
             return eager_step(model, tokens, input_pos, cache, all_logits)
         try:
             with gemv_backend(tokens):
@@ -384,22 +388,24 @@ def generate_batch(
         check_request(prompt, max_new_tokens, context)
     device = model.embed_tokens.weight.device
     B, lengths = len(prompts), [len(p) for p in prompts]
-    T = max(lengths)
     limits = [min(n + max_new_tokens, context) for n in lengths]  # each row's max_seq when run alone
     cache = new_cache(model, B, max(limits), kv_dtype)
     seen, generated = penalty_state(params, prompts, model)
     matchers = None if grammar is None else [grammar.matcher() for _ in prompts]
 
-    # One prefill for all rows. Pads go first but take the positions after the prompt (n..T-1): the mask, built
-    # from positions, hides them from the prompt, their cache slots are rewritten by the row's decode steps before
-    # any query can see them, and every row's last prompt token lands in the last column.
-    padded = torch.full((B, T), PAD_ID, device=device)  # (B, T)
-    input_pos = torch.empty((B, T), dtype=torch.long, device=device)  # (B, T)
+    # Each prompt is prefilled alone, in a cache of the size it has alone, and its keys and values are copied into
+    # its row of the batch cache: every row then holds exactly what the prompt alone would (a padded forward's
+    # attention would round differently), and the decode steps compute each row as a one-row step does (README,
+    # Exactness). Prefill is compute-bound: one forward per prompt costs what one padded forward would.
+    last = []
     for b, prompt in enumerate(prompts):
+        alone = new_cache(model, 1, limits[b], kv_dtype)
         n = len(prompt)
-        padded[b, T - n:] = torch.tensor(prompt, device=device)
-        input_pos[b] = torch.cat([torch.arange(n, T, device=device), torch.arange(n, device=device)])
-    logits = step(model, padded, input_pos, cache)  # (B, V): each row after its last prompt token
+        last.append(step(model, torch.tensor([prompt], device=device), torch.arange(n, device=device), alone))  # (1, V)
+        for row_layer, batch_layer in zip(alone.layers, cache.layers):
+            for a, c in zip(row_layer.buffers(), batch_layer.buffers()):
+                c[b, :, :n] = a[0, :, :n]  # (K, n, D or 1)
+    logits = torch.cat(last)  # (B, V)
     pos = torch.tensor(lengths, device=device)  # (B,) the position each row's next token is fed at
     done = [False] * B
     for n_new in range(1, max_new_tokens + 1):

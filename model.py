@@ -125,18 +125,28 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int
     return mask
 
 
-def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v for one query per row, written out: q (B, H, 1, D), k and v (B, K, S, D), mask
-    (1, S) or (B, 1, 1, S). torch's CPU SDPA kernel tiles over queries, which is slow for one query per row; two
-    small batched matmuls are faster there (README, Serving). They run in float32: torch's CPU batched matmul is
-    slower in bf16 at these sizes by more than the cast of the cache costs (README, Benchmarks)."""
-    B, H, _, D = q.shape
+DECODE_QUERIES = 16  # a cached forward of at most this many tokens (a speculative verify) attends as decode steps do
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v for a few queries per row, written out: q (B, H, T, D), k and v (B, K, S, D),
+    mask (T, S) or (B, 1, T, S). Each query is its own item of the two batched matmuls, so a T-query forward (a
+    speculative verify) computes every query exactly as a one-query decode step does: one (T*G, S) product per kv
+    head would not, since a matmul's blocking, and so its rounding, depends on its row count (README, Exactness).
+    torch's CPU SDPA kernel tiles over queries, which is slow for one query per row. The products run in float32:
+    torch's CPU batched matmul is slower in bf16 at these sizes by more than the cast of the cache costs."""
+    B, H, T, D = q.shape
     K, S = k.shape[1], k.shape[2]
-    qg = q.float().reshape(B * K, H // K, D)  # (B*K, G, D): each kv head's group of G = H/K query heads
-    scores = torch.bmm(qg, k.float().reshape(B * K, S, D).transpose(1, 2)) / math.sqrt(D)  # (B*K, G, S)
-    scores = torch.where(mask.reshape(-1, 1, S), scores.view(B, H, S), float("-inf"))  # (B, H, S)
-    p = torch.softmax(scores, dim=-1).view(B * K, H // K, S)  # (B*K, G, S)
-    return torch.bmm(p, v.float().reshape(B * K, S, D)).view(B, H, 1, D).to(q.dtype)
+    G = H // K  # query heads per kv head
+    qg = q.float().view(B, K, G, T, D).transpose(2, 3).reshape(B * K * T, G, D)  # (B*K*T, G, D)
+    # each query's own view of its kv head; a copy only when T > 1
+    kt = k.float()[:, :, None].expand(B, K, T, S, D).reshape(B * K * T, S, D)  # (B*K*T, S, D)
+    vt = v.float()[:, :, None].expand(B, K, T, S, D).reshape(B * K * T, S, D)  # (B*K*T, S, D)
+    scores = torch.bmm(qg, kt.transpose(1, 2)) / math.sqrt(D)  # (B*K*T, G, S)
+    scores = torch.where(mask.reshape(-1, 1, T, 1, S), scores.view(B, K, T, G, S), float("-inf"))  # (B, K, T, G, S)
+    p = torch.softmax(scores, dim=-1).view(B * K * T, G, S)  # (B*K*T, G, S)
+    y = torch.bmm(p, vt).view(B, K, T, G, D)  # (B, K, T, G, D)
+    return y.permute(0, 1, 3, 2, 4).reshape(B, H, T, D).to(q.dtype)  # (B, H, T, D)
 
 
 class Linear(nn.Linear):
@@ -187,8 +197,8 @@ class Attention(nn.Module):
         v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
         if cache is not None:
             k, v = cache.update(input_pos, k, v)  # (B, K, S, D): every slot, the mask hides unwritten ones
-        if T == 1 and q.device.type == "cpu":
-            y = one_query_attention(q, k, v, mask)  # decode steps: torch's CPU SDPA is slow for one query
+        if q.device.type == "cpu" and (T == 1 or cache is not None and T <= DECODE_QUERIES):
+            y = decode_attention(q, k, v, mask)  # decode steps and verifies
         else:
             # enable_gqa lets each group of H/K query heads share one kv head without copying the cache.
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)

@@ -30,6 +30,12 @@ def test_pick_dtype():
     native = cli.native_bf16(cpu)
     assert (dtype, why) == ((torch.bfloat16, f"auto: {native} computes bf16") if native else
                             (torch.float32, "auto: no native bf16"))
+    # torch's dispatch decides too: with its AVX2 (or scalar) kernels bf16 is emulated, whatever CPUID says
+    for capability in ("AVX2", "DEFAULT"):
+        assert cli.native_bf16(cpu, capability) is None
+        assert cli.pick_dtype("auto", cpu, capability) == (torch.float32, "auto: no native bf16")
+    assert cli.native_bf16(cpu, "AVX512") == (cli.native_bf16(cpu) if torch.cpu._is_avx512_bf16_supported() or
+                                              torch.cpu._is_amx_tile_supported() else None)
     assert set(cli.DTYPES) == {"float32", "bfloat16", "float16"}
 
 

@@ -291,15 +291,29 @@ def test_speculative_json_matches_plain_greedy(capsys, smollm2, smollm2_gguf):
 # ---- as a user runs it: a fresh process ----
 
 @pytest.mark.slow
-def test_readme_command_with_the_default_model():
+@pytest.mark.parametrize("capability", [None, "avx2"])
+def test_readme_command_with_the_default_model(capability, monkeypatch):
+    """The README's first command, on this CPU's class and with AVX2 forced: the summary says what the auto rules
+    pick for that class (the dtype) and for both (the file's int4 codes and Q8_0 head, the compiled blocks)."""
+    import torch
+
+    from cli import pick_dtype
+
+    if capability is None:
+        monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    else:
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+    dtype, why = pick_dtype("auto", torch.device("cpu"), capability and capability.upper())
     result = run_py("generate.py", "--prompt", "The capital of France is", "--temperature", "0",
                     "--max-new-tokens", "16")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     summary = result.stderr.strip().splitlines()[-1]
     for field in ("prompt tokens 5", "generated tokens 16", "TTFT", "decode", "tokens/s",
-                  "first decode step (compile)", "compiled: blocks (auto)", "int4:32 (+head int8:32)"):
+                  "first decode step (compile)", "compiled: blocks (auto)",
+                  f"cpu {str(dtype).removeprefix('torch.')} ({why})"):
         assert field in summary
+    assert re.search(r"weights [0-9.]+ MB int4:32 \(\+head int8:32\)$", summary), summary  # in float32 too
 
 
 def test_compile_flag_modes():

@@ -94,18 +94,30 @@ def test_sdpa_matches_reference_attention(window):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_one_query_attention_matches_reference(window):
-    """The decode steps' attention on CPU: shared positions (mask (1, S)) and per-row positions (B, 1, 1, S)."""
-    from model import one_query_attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_reference_and_one_query_steps(window, dtype):
+    """The decode steps' attention on CPU: shared positions (mask (T, S)) and per-row positions (B, 1, T, S); with
+    T queries, each equals its one-query call bitwise (a verify row is the decode step's row), and a longer cache
+    whose extra slots are masked changes nothing (a batch row attends as the row alone)."""
+    from model import decode_attention
 
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(3, 6, 1, 16, generator=g)  # (B, H, 1, D)
-    k = torch.randn(3, 3, 20, 16, generator=g)  # (B, K, S, D)
-    v = torch.randn(3, 3, 20, 16, generator=g)
-    shared = attention_mask(torch.tensor([12]), torch.arange(20), window)  # (1, S)
-    assert (one_query_attention(q, k, v, shared) - reference_attention(q, k, v, shared)).abs().max() <= 1e-5
-    per_row = attention_mask(torch.tensor([[4], [12], [19]]), torch.arange(20), window)[:, None]  # (B, 1, 1, S)
-    assert (one_query_attention(q, k, v, per_row) - reference_attention(q, k, v, per_row)).abs().max() <= 1e-5
+    q = torch.randn(3, 6, 4, 16, generator=g).to(dtype)  # (B, H, T, D)
+    k = torch.randn(3, 3, 20, 16, generator=g).to(dtype)  # (B, K, S, D)
+    v = torch.randn(3, 3, 20, 16, generator=g).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    shared = attention_mask(torch.arange(12, 16), torch.arange(20), window)  # (T, S)
+    per_row = attention_mask(torch.tensor([[1, 2, 3, 4], [9, 10, 11, 12], [16, 17, 18, 19]]), torch.arange(20),
+                             window)[:, None]  # (B, 1, T, S)
+    for mask in (shared, per_row):
+        got = decode_attention(q, k, v, mask)
+        assert (got.float() - reference_attention(q.float(), k.float(), v.float(), mask)).abs().max() <= tol
+        for t in range(4):
+            one = decode_attention(q[:, :, t:t + 1], k, v, mask[..., t:t + 1, :])
+            assert torch.equal(got[:, :, t:t + 1], one)
+        longer = [torch.cat([x, torch.randn(3, 3, 7, 16, generator=g).to(dtype)], dim=2) for x in (k, v)]
+        padded = torch.cat([mask, torch.zeros(*mask.shape[:-1], 7, dtype=torch.bool)], dim=-1)  # (..., S + 7)
+        assert torch.equal(decode_attention(q, *longer, padded), got)
 
 
 def test_sliding_window_mask_counts():

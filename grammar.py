@@ -72,16 +72,32 @@ def to_llguidance(constraint: Constraint) -> str:
 
 
 def check_constraint(constraint: Constraint) -> None:
-    """A ValueError naming what is wrong with a schema, regex or grammar; needs no tokenizer (runs before loading)."""
+    """A ValueError naming what is wrong with a schema, regex or grammar; needs no tokenizer (runs before loading).
+    What only shows once it meets a vocabulary (a grammar matching no text, a limit hit) is Compiler.compile's."""
     from llguidance import LLMatcher
 
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(to_llguidance(constraint))
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(to_llguidance(constraint), limits=limits())
     if is_error:
         raise ValueError(f"invalid {constraint.kind.replace('_', ' ')}: {one_line(messages[0])}")
 
 
+def limits():
+    """llguidance's default limits, with errors that do not carry its parser state and the grammar (a dump of
+    kilobytes that would reach the client)."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(verbose_errors=False)
+
+
 def one_line(message: str) -> str:
-    return " ".join(message.split())[:300]
+    return " ".join(message.replace("<non-verbose/>", "").split())[:300]
+
+
+def matcher_error(matcher) -> str:
+    """Why an llguidance.LLMatcher is in its error state, in one line."""
+    message = one_line(matcher.get_error())
+    # llguidance's name for a mask with no token allowed, not even EOS
+    return "no token can continue the text here" if message == "NoExtensionBias" else message
 
 
 def token_bytes(tokenizer, vocab_size: int) -> tuple[list[bytes], list[int]]:
@@ -128,9 +144,11 @@ class Matcher:
         self.matcher = matcher  # an llguidance.LLMatcher
 
     def fill(self, row: torch.Tensor) -> None:
-        """Write the allowed next tokens into row, a contiguous (W,) int32 CPU bitmask (bit i of word w: id 32w+i)."""
+        """Write the allowed next tokens into row, a contiguous (W,) int32 CPU bitmask (bit i of word w: id 32w+i).
+        ValueError when the grammar hits one of llguidance's limits here (Compiler.compile tried the first steps)."""
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-        assert not self.matcher.is_error(), self.matcher.get_error()
+        if self.matcher.is_error():
+            raise ValueError(f"the structured output's grammar failed: {matcher_error(self.matcher)}")
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """(V,) bool: the tokens the grammar allows next."""
@@ -139,13 +157,15 @@ class Matcher:
         return unpack(bitmask, vocab_size)[0]
 
     def advance(self, token: int) -> None:
-        """Take a sampled token (one the mask allowed)."""
-        ok = self.matcher.consume_token(token)
-        assert ok, f"token {token} was not allowed: {self.matcher.get_error()}"
+        """Take a sampled token (one the mask allowed). ValueError when the grammar hits one of llguidance's limits
+        taking it (the mask allowed it, but lexing its text went past a limit)."""
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"the structured output's grammar failed at token {token}: "
+                             f"{matcher_error(self.matcher)}")
 
     def rollback(self, n: int) -> None:
-        """Forget the last n tokens taken."""
-        assert self.matcher.rollback(n), self.matcher.get_error()
+        """Forget the last n tokens taken (no more than were taken: the caller's to ensure)."""
+        assert self.matcher.rollback(n), one_line(self.matcher.get_error())
 
     @property
     def can_end(self) -> bool:
@@ -181,24 +201,52 @@ class Compiler:
                              "ends)")
         tokens, special = token_bytes(tokenizer, vocab_size)
         self.vocab_size, self.cache_size = vocab_size, cache_size
+        self.token_lengths = [len(t) for t in tokens]
         self.tokens = llguidance.LLTokenizer(Vocabulary(tokenizer, tokens, special), n_vocab=vocab_size,
                                              eos_token=tokenizer.eos_ids)
-        self.cache: OrderedDict[Constraint, Grammar] = OrderedDict()  # least recently used first
+        # least recently used first; a spec that failed keeps its error, so sending it again costs nothing
+        self.cache: OrderedDict[Constraint, Grammar | ValueError] = OrderedDict()
 
     def compile(self, constraint: Constraint) -> Grammar:
-        """The compiled grammar (from the cache when it is there); ValueError for a bad schema, regex or grammar."""
-        from llguidance import LLMatcher
-
+        """The compiled grammar (from the cache when it is there); ValueError for a bad schema, regex or grammar,
+        including one that compiles but cannot be followed (see first_steps)."""
         grammar = self.cache.get(constraint)
         if grammar is None:
-            template = LLMatcher(self.tokens, to_llguidance(constraint), log_level=0)
-            if template.is_error():
-                raise ValueError(f"invalid {constraint.kind.replace('_', ' ')}: {one_line(template.get_error())}")
-            grammar = self.cache[constraint] = Grammar(constraint, template)
+            try:
+                grammar = Grammar(constraint, self.first_steps(constraint))
+            except ValueError as e:
+                grammar = e
+            self.cache[constraint] = grammar
             while len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
         self.cache.move_to_end(constraint)
+        if isinstance(grammar, ValueError):
+            raise grammar
         return grammar
+
+    def first_steps(self, constraint: Constraint):
+        """A fresh llguidance.LLMatcher for the constraint, once its first mask, and the step after it along the
+        longest allowed token, came out without an error. llguidance accepts some specs that fail only at a mask
+        or a token (no text matches them; a limit is hit: a row of over 2,000 alternatives, a regex too large to
+        lex): here they are a ValueError before any request is queued, not a failure mid-generation."""
+        from llguidance import LLMatcher
+
+        name = constraint.kind.replace("_", " ")
+        template = LLMatcher(self.tokens, to_llguidance(constraint), log_level=0, limits=limits())
+        if template.is_error():
+            raise ValueError(f"invalid {name}: {matcher_error(template)}")
+        probe, mask = template.deep_copy(), torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        probe.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())  # (1, W)
+        if one_line(probe.get_error()) == "NoExtensionBias":  # no first token, not even EOS
+            raise ValueError(f"invalid {name}: no text matches it, so nothing can be generated")
+        if not probe.is_error():
+            allowed = unpack(mask, self.vocab_size)[0].nonzero().flatten().tolist()
+            longest = max(allowed, key=self.token_lengths.__getitem__, default=None)
+            if longest is not None and self.token_lengths[longest] and probe.consume_token(longest):  # not EOS
+                probe.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+        if probe.is_error():
+            raise ValueError(f"invalid {name}: {matcher_error(probe)}")
+        return template
 
 
 class Vocabulary:

@@ -47,6 +47,7 @@ from cli import DTYPES, default_model, pick_device, pick_dtype, run_cli
 from engine import Engine, EngineConfig, Event, QueueFull, Request
 from grammar import Compiler, Constraint, Grammar
 from sample import SamplingParams
+from text import check_stop
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)  # seconds
@@ -304,7 +305,9 @@ def constraint_of(body: dict) -> tuple[Constraint, str] | None:
         choices = get(body, name, "array")
         if not choices or not all(isinstance(c, str) and c for c in choices):
             raise BadRequest("guided_choice must be a non-empty array of non-empty strings", name)
-        return Constraint("grammar", "start: " + " | ".join(json.dumps(c) for c in choices)), name
+        # One terminal of alternatives, lexed as one regex: as alternatives of a rule, llguidance's parser holds
+        # an item per choice in a row and refuses rows of over 2,000.
+        return Constraint("grammar", "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices)), name
     return Constraint("regex" if name == "guided_regex" else "grammar", get(body, name, "string")), name
 
 
@@ -350,6 +353,10 @@ def parse_request(body, chat: bool, tokenizer, max_len: int, max_chars: int,
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop must be a non-empty string or an array of non-empty strings", "stop")
+    try:
+        check_stop(stop)  # their number and length: the engine thread scans for them at every token
+    except ValueError as e:
+        raise BadRequest(str(e), "stop") from None
     seed = get(body, "seed", "integer")
     if seed is not None and not 0 <= seed < 2 ** 64:
         raise BadRequest(f"seed must be in [0, 2**64), got {seed}", "seed")

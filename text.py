@@ -1,5 +1,6 @@
 """The text layer over any stream of generated tokens (decode.generate, generate_batch, speculative.generate):
 incremental detokenization, stop strings with hold-back, and the Completion a caller gets back."""
+import bisect
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -7,27 +8,60 @@ from dataclasses import dataclass, field
 from decode import Token
 
 
+# Stop strings, per generation. OpenAI takes 4 and TGI 4 by default, vLLM any number; these are generous, and they
+# bound what a request makes the engine thread do per token (StopStrings) and how long text is held back.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024  # characters per stop string: a delimiter, not a document
+
+
 def check_stop(stop: Sequence[str]) -> None:
-    """Raise a ValueError for an empty stop string."""
+    """Raise a ValueError for an empty stop string, more than MAX_STOP_STRINGS of them, or one longer than
+    MAX_STOP_CHARS."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
     for s in stop:
         if not s:
             raise ValueError(f"stop strings must be non-empty, got {s!r}")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
 
 
-def held_back(text: str, stop: Sequence[str]) -> int:
-    """Length of the longest end of `text` that is the start of a stop string (it may yet complete one)."""
-    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
-               default=0)
+class StopStrings:
+    """Stop strings indexed so that scanning text costs a bounded number of lookups per character, however many
+    strings there are: a set looked up once per distinct length (does the text end with one?), and a sorted list
+    bisected (is this end of the text the start of one?)."""
+
+    def __init__(self, stop: Sequence[str]):
+        check_stop(stop)
+        self.strings = sorted(set(stop))
+        self.whole = set(stop)
+        self.lengths = sorted({len(s) for s in stop}, reverse=True)  # the longest first: it wins a tie
+        self.longest = self.lengths[0] if stop else 0
+
+    def ending(self, text: str, end: int) -> int:
+        """The length of the longest stop string that text[:end] ends with; 0 for none."""
+        return next((n for n in self.lengths if n <= end and text[end - n:end] in self.whole), 0)
+
+    def held_back(self, text: str) -> int:
+        """Length of the longest end of `text` (shorter than the longest stop string) that is the start of a stop
+        string: it may yet complete one. The loop stops at the first hit from the longest end down, so over a
+        stream it runs about once per new character: what was held back bounds what can be next time."""
+        for k in range(min(self.longest - 1, len(text)), 0, -1):
+            end = text[-k:]
+            i = bisect.bisect_left(self.strings, end)  # the strings starting with `end` sort right there
+            if i < len(self.strings) and self.strings[i].startswith(end):
+                return k
+        return 0
 
 
 class TextStream:
-    """Incremental text of one generation, cut before the first stop string. Text that might be the start of a
-    stop string is held back until resolved, so the stop string itself is never returned."""
+    """Incremental text of one generation, cut before the first stop string: generation stops at the first
+    character that completes one, and the text is cut before the longest one ending there. Text that might be the
+    start of a stop string is held back until resolved, so the stop string itself is never returned."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        check_stop(stop)
         self.decoder = tokenizer.stream()
-        self.stop = list(stop)
+        self.stop = StopStrings(stop)  # checks the stop strings
         self.pending = ""  # decoded, not yet returned: it might start a stop string
         self.text = ""  # everything returned so far
         self.stopped = False
@@ -44,13 +78,16 @@ class TextStream:
         if self.stopped:
             return ""
         self.pending += new
-        # Returned text never holds the start of a stop string, so a match starts inside `pending`.
-        starts = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
-        if starts:
-            out, self.pending, self.stopped = self.pending[:min(starts)], "", True
-        else:
-            keep = 0 if final else held_back(self.pending, self.stop)
-            out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        # Returned text never holds the start of a stop string, so a match starts inside `pending`, and it can only
+        # end at a new character.
+        for end in range(len(self.pending) - len(new) + 1, len(self.pending) + 1):
+            n = self.stop.ending(self.pending, end)
+            if n:
+                out, self.pending, self.stopped = self.pending[:end - n], "", True
+                self.text += out
+                return out
+        keep = 0 if final else self.stop.held_back(self.pending)
+        out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
         self.text += out
         return out
 

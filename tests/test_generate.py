@@ -39,6 +39,8 @@ def error_of(cli_error, argv: list[str]) -> str:
     (["--prompt", "hi", "--frequency-penalty", "5"], "frequency_penalty must be in [-2, 2]"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--prompt", "hi", "--stop", ""], "stop strings must be non-empty, got ''"),
+    (["--prompt", "hi", *["--stop", "x"] * 65], "stop takes at most 64 strings, got 65"),
+    (["--prompt", "hi", "--stop", "x" * 1025], "stop strings must be at most 1024 characters, got one of 1025"),
     (["--prompt", "hi", "--logprobs", "-1"], "--logprobs must be >= 0"),
     (["--prompt", "caf\udce9"], "--prompt is not valid UTF-8"),  # a non-UTF-8 byte, as surrogateescape hands it
     (["--prompt", "hi", "--stop", "\udce9"], "--stop is not valid UTF-8"),
@@ -158,6 +160,18 @@ def test_gguf_truncated_inside_its_metadata(cli_error, tmp_path, smollm2_gguf):
 def test_prompt_longer_than_context(cli_error, smollm2_gguf):
     err = error_of(cli_error, ["--model", smollm2_gguf, "--prompt", "hello " * 9000, "--quiet"])
     assert "longer than the model's context of 8191" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag, spec", [("--json-schema", '{"$ref": "#"}'), ("--regex", "[^\\x00-\\x{10FFFF}]"),
+                                        ("--grammar", "start: start")])
+def test_structured_output_that_cannot_be_followed(cli_error, smollm2_gguf, tmp_path, flag, spec):
+    """Valid to llguidance, but no text matches it: found when it is compiled against the vocabulary, one line."""
+    if flag == "--grammar":
+        (tmp_path / "g.lark").write_text(spec)
+        spec = str(tmp_path / "g.lark")
+    err = error_of(cli_error, ["--model", smollm2_gguf, "--prompt", "hi", "--compile", "none", "--quiet", flag, spec])
+    assert err.endswith("no text matches it, so nothing can be generated") and "<" not in err, err
 
 
 @pytest.mark.slow

@@ -135,6 +135,46 @@ def test_compiled_grammars_are_cached_and_bad_ones_are_one_line_errors(compiler)
             assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("constraint, fragment", [
+    (Constraint("json_schema", '{"$ref": "#"}'), "invalid json schema: no text matches it"),
+    (Constraint("regex", "[^\\x00-\\x{10FFFF}]"), "invalid regex: no text matches it"),
+    (Constraint("grammar", "start: start"), "invalid grammar: no text matches it"),
+    (Constraint("regex", "a{1000}{1000}"), "invalid regex: lexer error: too many expressions constructed"),
+    (Constraint("grammar", "start: " + " | ".join(f'"c{i}"' for i in range(2500))), "2501 items; max is 2000"),
+])
+def test_specs_that_compile_but_cannot_be_followed_fail_at_compile(toy, constraint, fragment):
+    """llguidance accepts these and failed at the first mask or token, with its parser state in an AssertionError:
+    compile() tries the first steps, and the ValueError is one line without the state. It is cached too."""
+    check_constraint(constraint)  # valid to llguidance without a vocabulary
+    compiler = Compiler(toy, VOCAB)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=re.escape(fragment)) as e:
+            compiler.compile(constraint)
+        assert "\n" not in str(e.value) and "<" not in str(e.value) and len(str(e.value)) <= 320
+    assert isinstance(compiler.cache[constraint], ValueError)
+
+
+def test_choices_as_one_terminal_take_10000(tiny, toy, compiler):
+    """serve.py's guided_choice: as alternatives of a rule, over 2,000 choices are refused (above); as one
+    terminal 10,000 compile, and the text is exactly one of them."""
+    choices = [f"{i}" for i in range(10_000)]
+    grammar = compiler.compile(Constraint("grammar", "start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, choices))))
+    for seed in range(3):
+        c = constrained(tiny, toy, grammar, "n=", 8, SamplingParams(temperature=1.0), seed)
+        assert c.text in choices and c.finish_reason in ("stop", "eos"), c.text
+
+
+def test_a_grammar_failing_mid_generation_is_a_one_line_value_error(toy, compiler):
+    """A token the grammar cannot take (here: one the mask forbids) raises a ValueError, not an AssertionError
+    with llguidance's state; the engine ends that request alone with it."""
+    matcher = compiler.compile(Constraint("regex", "[a-z]+")).matcher()
+    with pytest.raises(ValueError, match="grammar failed at token") as e:
+        matcher.advance(toy.encode("{", bos=False)[0])
+    assert "\n" not in str(e.value) and "<" not in str(e.value)
+    with pytest.raises(ValueError, match="grammar failed"):
+        matcher.allowed(VOCAB)
+
+
 # ---- generation on the tiny random model ----
 
 def constrained(tiny, toy, grammar, prompt: str, n: int, params: SamplingParams, seed: int = 0, **kw):

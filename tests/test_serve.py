@@ -26,6 +26,7 @@ import loadtest
 from decode import generate
 from engine import Engine, EngineConfig, Request
 from serve import API_KEY_ENV, ServeConfig, engine_config, make_app, parse_args, serve_config
+from text import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 try:
     import httpx2 as httpx  # the maintained HTTPX, which the openai client depends on
@@ -351,6 +352,60 @@ def test_bad_structured_output_is_400(client, extra, param):
         client.chat.completions.create(model="any", messages=CHAT, max_tokens=4, extra_body=extra)
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
     assert e.value.body["type"] == "invalid_request_error" and "\n" not in e.value.body["message"]
+
+
+# Specs llguidance compiles but cannot follow: they failed at the first mask or token, a 500 carrying its parser
+# state. (the request's extra fields, the field named, a fragment of the message)
+UNFOLLOWABLE = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format", "no text matches it"),
+    ({"guided_regex": "[^\\x00-\\x{10FFFF}]"}, "guided_regex", "no text matches it"),
+    ({"guided_regex": "a{1000}{1000}"}, "guided_regex", "too many expressions"),
+    ({"guided_grammar": "start: start"}, "guided_grammar", "no text matches it"),
+    ({"guided_grammar": "start: " + " | ".join(f'"c{i}"' for i in range(2500))}, "guided_grammar",
+     "2501 items; max is 2000"),
+]
+
+
+def test_structured_output_that_cannot_be_followed_is_400_before_it_is_queued(reference, greedy_8):
+    """Each is a one-line 400 naming the field, without llguidance's state dump, and the engine never sees it;
+    a guided_choice of 10,000 strings (once refused at its first token: over 2,000) answers one of them."""
+    app = local_app(reference)
+    engine = app.state.server.engine
+
+    async def scenario():
+        async with in_process(app) as c:
+            for extra, param, fragment in UNFOLLOWABLE:
+                r = await c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **extra})
+                e = openai_error(r, 400)
+                assert e["param"] == param and e["type"] == "invalid_request_error" and fragment in e["message"], e
+                assert "\n" not in e["message"] and "<" not in e["message"] and len(e["message"]) <= 320, e
+            assert engine.finished == 0 and engine.stats()["waiting"] == 0
+            choices = [f"choice number {i}" for i in range(10_000)]
+            r = await c.post("/v1/completions", json={"prompt": "Pick one:", "max_tokens": 12, "temperature": 0.8,
+                                                      "seed": 0, "guided_choice": choices})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] in choices and r.json()["choices"][0]["finish_reason"] == "stop"
+            await answers_exactly(c, greedy_8)
+
+    asyncio.run(scenario())
+
+
+def test_stop_strings_over_the_limits_are_400(reference, greedy_8):
+    """300,000 stop strings (1.5 MB, under the body limit) slowed every request's tokens: over MAX_STOP_STRINGS
+    or MAX_STOP_CHARS is a 400 naming stop; at both limits the answer is the greedy one."""
+    async def scenario():
+        async with in_process(local_app(reference)) as c:
+            for stop, fragment in [(["x"] * 300_000, f"at most {MAX_STOP_STRINGS} strings, got 300000"),
+                                   (["x" * (MAX_STOP_CHARS + 1)], f"at most {MAX_STOP_CHARS} characters")]:
+                e = openai_error(await c.post("/v1/completions", json={**GREEDY, "stop": stop}), 400)
+                assert e["param"] == "stop" and fragment in e["message"], e
+            most = [f"{i} never" + "!" * (MAX_STOP_CHARS - 10) for i in range(MAX_STOP_STRINGS)]
+            r = await c.post("/v1/completions", json={**GREEDY, "stop": most})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy_8, r.text
+            await answers_exactly(c, greedy_8)
+
+    asyncio.run(scenario())
 
 
 def test_prompt_longer_than_the_context_is_400(server):

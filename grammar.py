@@ -145,7 +145,8 @@ class Matcher:
 
     def rollback(self, n: int) -> None:
         """Forget the last n tokens taken."""
-        assert self.matcher.rollback(n), self.matcher.get_error()
+        ok = self.matcher.rollback(n)  # outside the assert: `python -O` drops asserts, and the rollback with them
+        assert ok, self.matcher.get_error()
 
     @property
     def can_end(self) -> bool:

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 
 import torch
 import torch.nn as nn
@@ -47,8 +48,9 @@ def hf_config(args) -> dict:
     return cfg
 
 
-def save_gguf_tokenizer(gguf_path: str, out: str) -> None:
-    """tokenizer.json (the tokenizers backend built from the GGUF vocabulary) plus tokenizer_config.json."""
+def gguf_tokenizer_files(gguf_path: str) -> dict[str, str]:
+    """The texts of tokenizer.json (the tokenizers backend built from the GGUF vocabulary), tokenizer_config.json and
+    generation_config.json, by file name."""
     from tokenizers import processors
 
     tok = load_tokenizer(gguf_path)
@@ -58,60 +60,110 @@ def save_gguf_tokenizer(gguf_path: str, out: str) -> None:
     if len(single) > 1:
         special = [(t, backend.token_to_id(t)) for t in (tok.bos_token, tok.eos_token) if t in single]
         backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
-    backend.save(os.path.join(out, "tokenizer.json"))
     cfg = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos,
            "add_eos_token": tok.add_eos, "tokenizer_class": "PreTrainedTokenizerFast"}
     if tok.chat_template:
         cfg["chat_template"] = tok.chat_template
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump(cfg, f, indent=2, ensure_ascii=False)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_ids}, f, indent=2)
+    return {"tokenizer.json": backend.to_str(pretty=True),
+            "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False),
+            "generation_config.json": json.dumps({"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_ids}, indent=2)}
+
+
+def partial_name(name: str) -> str:
+    """The name an output file is written under until it is complete (then os.replace gives it its own)."""
+    return f".{name}.partial"
 
 
 def check_out_folder(out: str) -> None:
-    """Refuse a non-empty --out folder unless it holds only a previous output of this command, and a folder that
-    cannot be made or written to: checked before the model is loaded and quantized, not after."""
+    """Refuse a non-empty --out folder unless it holds only a previous output of this command (or the partial files
+    of one that was killed), and a folder that cannot be made or written to: checked before the model is loaded and
+    quantized, not after."""
+    if not out:
+        raise ValueError("--out is empty; pass the folder to write to")
+    folder = out  # where a file must be creatable: out, or the nearest existing folder above it
     if not os.path.exists(out):
-        parent = os.path.dirname(os.path.abspath(out))
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise ValueError(f"--out {out!r} cannot be created: {parent!r} is a file, not a folder")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ValueError(f"--out {out!r} cannot be created: no permission to write in {parent!r}")
-        return
-    if not os.path.isdir(out):
+        folder = os.path.dirname(os.path.abspath(out))
+        while not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        if not os.path.isdir(folder):
+            raise ValueError(f"--out {out!r} cannot be created: {folder!r} is a file, not a folder")
+    elif not os.path.isdir(out):
         raise ValueError(f"--out {out!r} exists and is not a folder")
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out!r}: no permission to write in it")
-    entries = sorted(os.listdir(out))
-    if not entries:
-        return
-    foreign = [e for e in entries if e not in OUT_FILES]
-    previous = "model.safetensors" in entries and read_quantization(os.path.join(out, "model.safetensors"))
-    if foreign or not previous:
-        raise ValueError(f"--out {out!r} is not empty and is not a previous export.py output "
-                         f"({', '.join((foreign or entries)[:3])} ...); choose an empty or new folder")
+    else:
+        entries = sorted(set(os.listdir(out)) - {partial_name(name) for name in OUT_FILES})
+        foreign = [e for e in entries if e not in OUT_FILES]
+        previous = "model.safetensors" in entries and previous_output(os.path.join(out, "model.safetensors"))
+        if entries and (foreign or not previous):
+            raise ValueError(f"--out {out!r} is not empty and is not a previous export.py output "
+                             f"({', '.join((foreign or entries)[:3])} ...); choose an empty or new folder")
+    # Permission bits do not say it all (root passes them; /proc and read-only mounts refuse anyway): try it.
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".export-probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"--out {out!r} cannot be written: {e.strerror or e} (in {folder!r})") from None
+
+
+def previous_output(file: str) -> bool:
+    """Whether file is the model.safetensors of a previous export (quantization in its metadata)."""
+    try:
+        return read_quantization(file) is not None
+    except Exception:  # safetensors' own error types: a corrupt file is no previous output
+        return False
+
+
+def check_not_source(out: str, source: str) -> None:
+    """Refuse an --out that is the source folder, or where a file this command writes is one of the source's files
+    (the same file under another name counts: a link)."""
+    if os.path.isdir(source) and os.path.isdir(out) and os.path.samefile(out, source):
+        raise ValueError(f"--out {out!r} is the source model folder {source!r}; choose another folder")
+    files = [os.path.join(source, name) for name in os.listdir(source)] if os.path.isdir(source) else [source]
+    ids = {(st.st_dev, st.st_ino) for st in map(os.stat, filter(os.path.isfile, files))}
+    for name in OUT_FILES:
+        target = os.path.join(out, name)
+        if os.path.isfile(target) and (os.stat(target).st_dev, os.stat(target).st_ino) in ids:
+            raise ValueError(f"--out {out!r}: writing {name} would overwrite a file of the source model "
+                             f"{source!r}; choose another folder")
 
 
 def save_quantized(model: nn.Module, source: str, out: str) -> None:
-    """Write model.safetensors (quantization in its metadata), config.json and the tokenizer files to out."""
+    """Write model.safetensors (quantization in its metadata), config.json and the tokenizer files to out. Each is
+    written under its partial_name and renamed when all are complete, so a failed or killed export never leaves a
+    half-written file under an output name; a previous output's files this one does not write are removed."""
     from safetensors.torch import save_file
 
     meta = quantization_of(model)
     assert meta is not None, "save_quantized needs a quantized model"
     state = {k: v.contiguous() for k, v in checkpoint_state(model).items()}  # the usual names, q/k/v apart
     os.makedirs(out, exist_ok=True)
-    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt", **meta})
-    if os.path.isdir(source):
-        for name in OUT_FILES[1:]:
-            if os.path.isfile(os.path.join(source, name)):
-                shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
-    else:
-        with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(hf_config(model.args), f, indent=2)
-        save_gguf_tokenizer(source, out)
+    written = []
+
+    def partial(name: str) -> str:
+        written.append(name)
+        return os.path.join(out, partial_name(name))
+
+    try:
+        save_file(state, partial("model.safetensors"), metadata={"format": "pt", **meta})
+        if os.path.isdir(source):
+            for name in OUT_FILES[1:]:
+                if os.path.isfile(os.path.join(source, name)):
+                    shutil.copyfile(os.path.join(source, name), partial(name))
+        else:
+            texts = {"config.json": json.dumps(hf_config(model.args), indent=2), **gguf_tokenizer_files(source)}
+            for name, text in texts.items():
+                with open(partial(name), "w", encoding="utf-8") as f:
+                    f.write(text)
+    except BaseException:  # also Ctrl-C: no partial file stays behind
+        for name in written:
+            if os.path.exists(os.path.join(out, partial_name(name))):
+                os.remove(os.path.join(out, partial_name(name)))
+        raise
+    for name in written:
+        os.replace(os.path.join(out, partial_name(name)), os.path.join(out, name))
+    for name in set(OUT_FILES) - set(written):  # e.g. a chat_template.jinja that would override the new template
+        if os.path.isfile(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -127,8 +179,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> None:
     parse_mode(args.mode)
-    check_out_folder(args.out)
+    check_out_folder(args.out)  # before resolving the model: a bad --out fails before a hub download, too
     source = resolve_model_path(args.model or default_model())
+    check_not_source(args.out, source)
     model, _ = load_model(source, "cpu", getattr(torch, args.dtype), progress=sys.stderr.isatty(),
                           quantize=args.mode, quantize_head=args.quantize_head)
     try:

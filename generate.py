@@ -16,7 +16,7 @@ import tp
 from cli import DTYPES, FALLBACK_MODEL, check_seed, check_text, default_model, pick_device, pick_dtype, run_cli
 from decode import COMPILE_HELP, COMPILE_MODES, Session, auto_compile, generate, generate_batch, make_step
 from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
-from load import load_model
+from load import load_model, resolve_model_path
 from model import Transformer
 from quantize import describe, parse_mode, quantization_of, weight_bytes
 from sample import SamplingParams
@@ -199,10 +199,18 @@ def run(args: argparse.Namespace) -> None:
     dtype, dtype_why = pick_dtype(args.dtype, device)
     progress = not args.quiet and sys.stderr.isatty()
 
-    # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
-    model, path = load_model(args.model or default_model(), device, dtype, progress=progress,
-                             quantize=args.quantize, quantize_head=args.quantize_head, shard=shard)
+    # The tokenizer and the prompts first: a broken tokenizer file or chat template fails in a moment, not after
+    # the weights have loaded.
+    path = resolve_model_path(args.model or default_model())
     tokenizer = load_tokenizer(path)
+    if args.chat and tokenizer.chat_template is None:
+        raise ValueError(f"--chat needs a chat template, and the tokenizer of {path!r} has none")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    prompts = [chat_tokens(tokenizer, system + [{"role": "user", "content": t}]) if args.chat else tokenizer.encode(t)
+               for t in texts]  # none with --interactive: chat() renders each turn
+    # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
+    model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
+                          quantize_head=args.quantize_head, shard=shard)
     seed = args.seed if args.seed is not None else torch.Generator().seed()  # leaves torch's global RNG alone
     generator = torch.Generator(device=device)
     generator.manual_seed(seed if shard is None else tp.same_seed(seed, device))
@@ -221,18 +229,10 @@ def run(args: argparse.Namespace) -> None:
     grammar = None if constraint is None else Compiler(tokenizer, model.args.vocab_size).compile(constraint)
     if grammar is not None:
         setup += f" | {constraint.kind.replace('_', ' ')}"
-    system = [{"role": "system", "content": args.system}] if args.system else []
-
-    def encode(text: str) -> list[int]:
-        if args.chat:  # the template has BOS
-            return tokenizer.encode(tokenizer.apply_chat_template(system + [{"role": "user", "content": text}]),
-                                    bos=False)
-        return tokenizer.encode(text)
 
     if args.interactive:
         chat(args, model, tokenizer, params, generator, step, setup, system, grammar)
     elif args.prompts_file:
-        prompts = [encode(t) for t in texts]
         rows = generate_batch(model, prompts, args.max_new_tokens, params, generator, tokenizer.eos_ids, step,
                               args.logprobs, args.kv_cache_dtype, grammar)
         completions = complete_batch(rows, tokenizer, [len(p) for p in prompts], stop=args.stop)
@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> None:
                   f"(all rows) | {setup}", file=sys.stderr)
     else:
         on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
-        prompt, stats = encode(texts[0]), None
+        prompt, stats = prompts[0], None
         if speculating(args):  # the same tokens and distribution, up to --speculate-k tokens per target forward
             draft = make_draft(args, model, path, device, dtype, step, progress)
             stats = SpecStats(args.speculate_k)
@@ -269,6 +269,17 @@ def run(args: argparse.Namespace) -> None:
             print(f"{summary(c, compiled != 'none')} | {setup}", file=sys.stderr)
             if stats is not None:
                 print(stats.report(), file=sys.stderr)
+
+
+def chat_tokens(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt tokens of messages rendered with the chat template (which has BOS); a template that fails on
+    them (a syntax error, or raise_exception, e.g. for a system message it does not take) is a ValueError."""
+    import jinja2
+
+    try:
+        return tokenizer.encode(tokenizer.apply_chat_template(messages), bos=False)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the model's chat template failed on the messages: {e}") from None
 
 
 def compile_mode(args: argparse.Namespace, model: Transformer) -> str:
@@ -344,7 +355,7 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
             if not line or turn.strip() in ("", "/exit"):
                 return
         messages.append({"role": "user", "content": turn})
-        prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), bos=False)  # the template has BOS
+        prompt = chat_tokens(tokenizer, messages)
         on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
         prefilled = len(prompt) - session.reusable(prompt)
         tokens = generate(model, prompt, args.max_new_tokens, params, generator, tokenizer.eos_ids, step,

@@ -94,6 +94,8 @@ def read_gguf(path: str) -> tuple[dict, list[GGUFTensor]]:
     except struct.error:
         raise ValueError("the file ends inside its header") from None
     alignment = meta.get("general.alignment", 32)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"general.alignment must be a positive integer, got {alignment!r}")
     start = (cur.pos + alignment - 1) // alignment * alignment
     everything = np.frombuffer(buf, dtype=np.uint8)
     tensors = []

@@ -165,7 +165,8 @@ class Matcher:
 
     def rollback(self, n: int) -> None:
         """Forget the last n tokens taken (no more than were taken: the caller's to ensure)."""
-        assert self.matcher.rollback(n), one_line(self.matcher.get_error())
+        ok = self.matcher.rollback(n)  # outside the assert: `python -O` drops asserts, and the rollback with them
+        assert ok, one_line(self.matcher.get_error())
 
     @property
     def can_end(self) -> bool:

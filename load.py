@@ -25,7 +25,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from gguffile import GGUFTensor, read_gguf
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, positive_int, positive_number
 from quantize import N_MULTIPLE, Int4Linear, Int8GroupLinear, dequantize_state, mode_name, parse_mode, swap_linears
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -212,8 +212,11 @@ def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progr
     path = resolve_model_path(model)
     if os.path.isdir(path):
         return load_hf_folder(path, device, dtype, progress, quantize, quantize_head, shard), path
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ValueError(f"cannot read {path!r}: {e.strerror or e}") from None
     if magic != b"GGUF":
         raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a GGUF file")
     return load_gguf(path, device, dtype, progress, quantize, quantize_head, shard), path
@@ -237,6 +240,19 @@ def check_tensors(expected: dict[str, tuple], found: dict[str, tuple], source: s
     for name, shape in expected.items():
         if tuple(found[name]) != tuple(shape):
             raise ValueError(f"{source}: tensor {name} has shape {tuple(found[name])}, expected {tuple(shape)}")
+
+
+SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")  # what a float weight may be stored as: it is cast to the dtype
+SAFETENSORS_INTS = {torch.int8: "I8", torch.uint8: "U8"}  # quantized codes: int8, and int4 packed in bytes
+
+
+def check_dtypes(model: Transformer, found: dict[str, str], source: str) -> None:
+    """A ValueError naming a tensor whose safetensors dtype (found: name -> "F32", "I8", ...) the model cannot take:
+    a float weight stored as integers or bool, or quantized codes not in the integer type they were saved in."""
+    for name, t in checkpoint_state(model).items():
+        want = SAFETENSORS_FLOATS if t.is_floating_point() else (SAFETENSORS_INTS[t.dtype],)
+        if found[name] not in want:
+            raise ValueError(f"{source}: tensor {name} is stored as {found[name]}, expected {' or '.join(want)}")
 
 
 def assign_weights(model: Transformer, state: dict[str, torch.Tensor], device,
@@ -345,11 +361,19 @@ def read_hf_tensor(handle, key: str, pick: tuple | None, name: str, shard, full_
 
 
 def read_json(path: str) -> dict:
+    """A JSON object from a file; anything else (unreadable, not UTF-8, not JSON, a list) is a ValueError."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(value).__name__}")
+    return value
 
 
 def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False,
@@ -365,7 +389,9 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
     args = shard.args(full_args) if shard else full_args
     index_file = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_file):
-        weight_map = read_json(index_file)["weight_map"]  # tensor name -> shard file
+        weight_map = read_json(index_file).get("weight_map")  # tensor name -> shard file
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index_file} has no weight_map object of tensor names and file names")
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
@@ -391,16 +417,18 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
         try:
             handles[file] = safe_open(full, framework="pt", device="cpu")
             for key in handles[file].keys():
-                for name, shape, pick in hf_tensor_names(key, handles[file].get_slice(key).get_shape()):
-                    found[name] = (file, key, shape, pick)
+                part = handles[file].get_slice(key)
+                for name, shape, pick in hf_tensor_names(key, part.get_shape()):
+                    found[name] = (file, key, shape, pick, part.get_dtype())
         except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
             raise ValueError(f"cannot read safetensors file {full!r}: {e}") from None
     shapes = {k: shard.local_shape(k, v[2], full_args) if shard else v[2] for k, v in found.items()}
     check_tensors(checkpoint_shapes(model), shapes, path)
+    check_dtypes(model, {k: v[4] for k, v in found.items()}, path)
     convert, filled = quantizer(model, None if quantize == "none" else quantize, quantize_head)
 
     state, joiner = {}, Joiner(model)
-    for name, (file, key, _, pick) in tqdm(found.items(), desc="loading", disable=not progress, unit="tensor"):
+    for name, (file, key, _, pick, _) in tqdm(found.items(), desc="loading", disable=not progress, unit="tensor"):
         try:
             t = read_hf_tensor(handles[file], key, pick, name, shard, full_args)
         except Exception as e:
@@ -417,40 +445,50 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
 
 
 def gguf_args(meta: dict, tensors: list[GGUFTensor]) -> ModelArgs:
-    """ModelArgs from GGUF metadata (llama architecture only)."""
+    """ModelArgs from GGUF metadata (llama architecture only); a missing or mistyped key is a ValueError naming it."""
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
-    names = {t.name for t in tensors}
-    n_heads = meta.get("llama.attention.head_count")
-    dim = meta.get("llama.embedding_length")
-    head_dim = meta.get("llama.attention.key_length", dim // n_heads)
-    if meta.get("llama.rope.dimension_count", head_dim) != head_dim:
-        raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")
+    missing = [k for k in ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")
+               if f"llama.{k}" not in meta]
+    if "llama.vocab_size" not in meta and "tokenizer.ggml.tokens" not in meta:
+        missing.append("vocab_size")
+    if missing:
+        raise ValueError(f"GGUF metadata has no {', '.join('llama.' + k for k in missing)}")
+
+    def size(key: str, default: int | None = None) -> int:
+        return positive_int(meta.get(f"llama.{key}", default), f"GGUF metadata llama.{key}")
+
+    def number(key: str, default: float) -> float:
+        return positive_number(meta.get(f"llama.{key}", default), f"GGUF metadata llama.{key}")
+
     scaling_type = meta.get("llama.rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear'")
     rope_scaling = None
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": meta.get("llama.rope.scaling.factor")}
-    vocab = meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    n_experts = meta.get("llama.expert_count", 0) or None  # Mixtral: > 0
-    return ModelArgs(
-        vocab_size=vocab,
-        dim=dim,
-        n_layers=meta.get("llama.block_count"),
+        rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
+    n_heads = size("attention.head_count")
+    n_experts = size("expert_count") if meta.get("llama.expert_count", 0) != 0 else None  # Mixtral: > 0
+    args = ModelArgs(
+        vocab_size=size("vocab_size", len(meta.get("tokenizer.ggml.tokens", ()))),
+        dim=size("embedding_length"),
+        n_layers=size("block_count"),
         n_heads=n_heads,
-        hidden_dim=meta.get("llama.feed_forward_length"),
-        n_kv_heads=meta.get("llama.attention.head_count_kv", n_heads),
-        head_dim=head_dim,
-        norm_eps=meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=meta.get("llama.rope.freq_base", 10000.0),
+        hidden_dim=size("feed_forward_length"),
+        n_kv_heads=size("attention.head_count_kv", n_heads),
+        head_dim=size("attention.key_length") if "llama.attention.key_length" in meta else None,
+        norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=number("rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
-        max_seq_len=meta.get("llama.context_length", 4096),
-        tie_embeddings="output.weight" not in names,  # llama.cpp drops the head of tied models
+        max_seq_len=size("context_length", 4096),
+        tie_embeddings="output.weight" not in {t.name for t in tensors},  # llama.cpp drops the head of tied models
         n_experts=n_experts,
-        n_experts_per_token=meta.get("llama.expert_used_count", 2) if n_experts else 2,
+        n_experts_per_token=size("expert_used_count", 2) if n_experts else 2,
     )
+    if meta.get("llama.rope.dimension_count", args.head_dim) != args.head_dim:
+        raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")
+    return args
 
 
 @dataclass
@@ -562,21 +600,24 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from None
     full_args = gguf_args(meta, file_tensors)
     tensors, full_shapes = gguf_tensors(file_tensors)
-    head_name = "lm_head.weight" if "lm_head.weight" in tensors else "embed_tokens.weight"  # tied: the embedding
-    # Without --quantize, a Q8_0 head runs as the file's codes (Int8GroupLinear, below), in a float32 model too: the
-    # kernel rounds the head's input to bf16, which costs SmolLM2 less than a bf16 model does (KL 5.1e-4 against
-    # 2.2e-4 with a float32 head, top-1 unchanged; README, Quantization), and the head is then exact whatever the
-    # row count, as a float32 matmul is not (greedy speculative == plain greedy, README, Exactness).
-    q8_0_head = quantize is None and shard is None and tensors[head_name].tensor_type.name == "Q8_0"
     rope_freqs = tensors.pop("rope_freqs.weight", None)  # Llama 3.1 GGUFs: per-frequency rope divisors
     full_shapes.pop("rope_freqs.weight", None)
     if rope_freqs is not None:
+        if rope_freqs.tensor_type.name != "F32" or rope_freqs.shape != (full_args.head_dim // 2,):
+            raise ValueError(f"{path!r}: rope_freqs.weight is {rope_freqs.tensor_type.name} {rope_freqs.shape}, "
+                             f"expected F32 ({full_args.head_dim // 2},)")
         full_args.rope_freq_factors = tuple(float(x) for x in rope_freqs.data)
     args = shard.args(full_args) if shard else full_args
     with torch.device("meta"):
         model = Transformer(args)
     shapes = {k: shard.local_shape(k, v, full_args) for k, v in full_shapes.items()} if shard else full_shapes
     check_tensors(checkpoint_shapes(model), shapes, path)
+    head_name = "lm_head.weight" if "lm_head.weight" in tensors else "embed_tokens.weight"  # tied: the embedding
+    # Without --quantize, a Q8_0 head runs as the file's codes (Int8GroupLinear, below), in a float32 model too: the
+    # kernel rounds the head's input to bf16, which costs SmolLM2 less than a bf16 model does (KL 5.1e-4 against
+    # 2.2e-4 with a float32 head, top-1 unchanged; README, Quantization), and the head is then exact whatever the
+    # row count, as a float32 matmul is not (greedy speculative == plain greedy, README, Exactness).
+    q8_0_head = quantize is None and shard is None and tensors[head_name].tensor_type.name == "Q8_0"
     del meta  # the vocabulary's ~100k strings are not needed any more
     # A shard slices dequantized tensors; a quantized head is quantized from the dequantized embedding.
     native = None if shard or quantize_head else gguf_native_mode(tensors, quantize)
@@ -609,7 +650,10 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
                 module.load_state_dict({k: v.to(device) for k, v in buffers.items()}, assign=True)
                 filled.add(prefix)
             continue
-        w = gguf_dequantize(t, shape)
+        try:
+            w = gguf_dequantize(t, shape)
+        except (NotImplementedError, ValueError) as e:  # gguf.quants: a block type it cannot dequantize
+            raise ValueError(f"cannot dequantize GGUF tensor {name!r} ({t.tensor_type.name}): {e}") from None
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             w = unpermute_qk(w, heads)
         if shard:

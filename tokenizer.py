@@ -109,13 +109,16 @@ def load_tokenizer(path: str) -> Tokenizer:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist; expected a folder with "
                                 "tokenizer.json or tokenizer.model, or a .gguf file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ValueError(f"{path!r} is not a GGUF file (magic {magic!r}); pass a .gguf file or a model folder")
     from gguffile import read_gguf
 
-    meta, _ = read_gguf(path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"not a GGUF file (magic {magic!r}); pass a .gguf file or a model folder")
+        meta, _ = read_gguf(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read GGUF file {path!r}: {e.strerror if isinstance(e, OSError) else e}") from None
     return tokenizer_from_gguf_metadata({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
 
 
@@ -125,8 +128,10 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
     if kind not in ("gpt2", "llama"):
         raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE), "
                          "'llama' (SentencePiece)")
-    if "tokenizer.ggml.tokens" not in meta:
-        raise ValueError("this GGUF file has no tokenizer.ggml.tokens, so it embeds no tokenizer")
+    needs = ["tokenizer.ggml.tokens", "tokenizer.ggml.merges" if kind == "gpt2" else "tokenizer.ggml.scores"]
+    missing = [key for key in needs if not isinstance(meta.get(key), list)]
+    if missing:
+        raise ValueError(f"this GGUF file has no {' or '.join(missing)} list, so it embeds no usable tokenizer")
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if kind == "gpt2":
@@ -155,7 +160,10 @@ def _load_folder(path: str) -> Tokenizer:
     llama = cfg.get("tokenizer_class") in ("LlamaTokenizer", "LlamaTokenizerFast")
     prepend = "first" if llama and not cfg.get("legacy") else "always"
     if os.path.isfile(json_file):
-        backend = Backend.from_file(json_file)
+        try:
+            backend = Backend.from_file(json_file)
+        except Exception as e:  # tokenizers raises a plain Exception for a file it cannot parse
+            raise ValueError(f"cannot read tokenizer file {json_file}: {e}") from None
         if llama and isinstance(backend.model, models.BPE):
             _sentencepiece_pipeline(backend, prepend if cfg.get("add_prefix_space", True) else "never")
     elif os.path.isfile(spm_file):
@@ -169,12 +177,13 @@ def _load_folder(path: str) -> Tokenizer:
 
     config = _read_json(os.path.join(path, "config.json"))
     generation = _read_json(os.path.join(path, "generation_config.json"))
-    bos_token, eos_token = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+    bos_token, eos_token = _token_text(cfg, "bos_token"), _token_text(cfg, "eos_token")
     bos_id = backend.token_to_id(bos_token) if bos_token else None
     if bos_id is None and "bos_token" not in cfg:
-        bos_id = config.get("bos_token_id")
+        bos_id = (_token_ids(config, "bos_token_id", "config.json") or [None])[0]
     eos_ids = [backend.token_to_id(eos_token) if eos_token else None]
-    eos_ids += _as_list(generation.get("eos_token_id")) + _as_list(config.get("eos_token_id"))
+    eos_ids += _token_ids(generation, "eos_token_id", "generation_config.json")
+    eos_ids += _token_ids(config, "eos_token_id", "config.json")
 
     if os.path.isfile(json_file):
         # transformers ignores add_bos_token/add_eos_token here: tokenizer.json's post-processor decides
@@ -186,11 +195,17 @@ def _load_folder(path: str) -> Tokenizer:
 
     template = cfg.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-        template = {t["name"]: t["template"] for t in template}.get("default")
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"tokenizer_config.json chat_template must be a string or a list of named templates, "
+                         f"got {str(template)[:50]!r}")
     jinja_file = os.path.join(path, "chat_template.jinja")
     if os.path.isfile(jinja_file):  # what current transformers writes; it wins over tokenizer_config.json
-        with open(jinja_file, encoding="utf-8") as f:
-            template = f.read()
+        try:
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read {jinja_file}: {e}") from None
     return Tokenizer(backend, bos_id, eos_ids, add_bos, template, add_eos)
 
 
@@ -279,8 +294,11 @@ def _read_sentencepiece_model(path: str) -> tuple[list[str], list[float], list[i
     from sentencepiece import sentencepiece_model_pb2  # needs protobuf
 
     proto = sentencepiece_model_pb2.ModelProto()
-    with open(path, "rb") as f:
-        proto.ParseFromString(f.read())
+    try:
+        with open(path, "rb") as f:
+            proto.ParseFromString(f.read())
+    except Exception as e:  # protobuf's DecodeError, or an OSError
+        raise ValueError(f"cannot read sentencepiece model {path!r}: {e}") from None
     model_type = proto.trainer_spec.model_type
     if model_type != proto.trainer_spec.BPE:
         raise ValueError(f"{path!r}: sentencepiece model type {proto.trainer_spec.ModelType.Name(model_type)!r} "
@@ -322,16 +340,32 @@ def _compile_template(source: str):
 
 
 def _read_json(path: str) -> dict:
+    """The JSON object in path; {} when there is no such file, a ValueError naming it when it holds no object."""
     if not os.path.isfile(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON (UnicodeDecodeError, JSONDecodeError)
+        raise ValueError(f"cannot read {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(value).__name__}")
+    return value
 
 
-def _token_text(token) -> str | None:
+def _token_text(cfg: dict, key: str) -> str | None:
     """A special token from tokenizer_config.json: a string or an AddedToken dict {"content": ...}."""
-    return token.get("content") if isinstance(token, dict) else token
+    token = cfg.get(key)
+    token = token.get("content") if isinstance(token, dict) else token
+    if token is not None and not isinstance(token, str):
+        raise ValueError(f"tokenizer_config.json {key} must be a string, got {token!r}")
+    return token
 
 
-def _as_list(value) -> list:
-    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+def _token_ids(cfg: dict, key: str, file: str) -> list[int]:
+    """cfg[key] as a list of token ids: absent or null, one id, or a list of them."""
+    value = cfg.get(key)
+    ids = [] if value is None else list(value) if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{file} {key} must be a token id or a list of them, got {value!r}")
+    return ids

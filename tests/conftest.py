@@ -1,5 +1,6 @@
 """Fixtures shared by the test files: the SmolLM2 GGUF, its model and tokenizer (loaded once per session), a tiny
-random model and its saved folder, an int4 checkpoint written by export.py, and the CLI's one-line error check.
+random model and its saved folder (also with a tokenizer), an int4 checkpoint written by export.py, and the CLI's
+one-line error check.
 Plain helper functions live in tiny_models.py and helpers.py (test files never import each other)."""
 import importlib.util
 import os
@@ -57,6 +58,24 @@ def tiny_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny") / "llama-gqa"
     make_hf("llama-gqa").save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_text_dir(tiny_dir, tmp_path_factory) -> str:
+    """The tiny model folder plus a character-level tokenizer.json (printable ASCII, 99 ids of its 160): a folder
+    generate.py runs on."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, models
+
+    folder = tmp_path_factory.mktemp("tiny_text") / "model"
+    shutil.copytree(tiny_dir, folder)
+    chars = ["<unk>", "<s>", "</s>", "\n"] + [chr(c) for c in range(32, 127)]
+    Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, [], unk_token="<unk>")).save(
+        str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return str(folder)
 
 
 @pytest.fixture(scope="session")

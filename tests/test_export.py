@@ -1,6 +1,7 @@
 """export.py: quantized checkpoint folders (size, metadata, tokenizer, a round trip that is token-identical to
 quantizing at load), the config.json written for a GGUF source, and the --out folder checked before loading."""
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from safetensors.torch import save_file
 import export
 from load import load_model, read_quantization
 from model import ModelArgs
+from quantize import quantization_of
 from tiny_models import greedy_ids, hf_to_ours, make_hf
 from tokenizer import load_tokenizer
 
@@ -64,6 +66,9 @@ def test_out_folder_is_checked_before_loading(tmp_path, cli_error):
     save_file({"x": torch.zeros(1)}, tmp_path / "float" / "model.safetensors")
     with pytest.raises(ValueError, match="is not empty"):
         export.check_out_folder(str(tmp_path / "float"))
+    (tmp_path / "float" / "model.safetensors").write_bytes(b"not safetensors")  # nor is a corrupt one
+    with pytest.raises(ValueError, match="is not empty"):
+        export.check_out_folder(str(tmp_path / "float"))
     export.check_out_folder(str(tmp_path / "new" / "deeper"))  # a folder that can be created is fine
 
 
@@ -108,3 +113,97 @@ def test_saved_checkpoint_round_trip_is_token_identical(smollm2_int4_dir, smollm
     tok = load_tokenizer(smollm2_int4_dir)
     prompt = tok.encode("The capital of France is")
     assert greedy_ids(loaded, prompt, 24) == greedy_ids(at_load, prompt, 24)
+
+
+# ---- --out against the source, and files written whole or not at all ----
+
+def export_int8(model: str, out) -> int:
+    return export.main(["--model", model, "--mode", "int8", "--out", str(out), "--dtype", "float32"])
+
+
+def no_loading(monkeypatch):
+    """Loading the model fails the test: the refusal must come before it."""
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was refused")
+
+    monkeypatch.setattr(export, "load_model", load_model)
+
+
+def test_out_is_the_source_folder(tiny_dir, tmp_path, cli_error, monkeypatch):
+    """Its own previous output as the source: refused before loading, the files untouched (they were rewritten
+    while memory-mapped as the source)."""
+    out = tmp_path / "int8"
+    assert export_int8(tiny_dir, out) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    no_loading(monkeypatch)
+    err = cli_error(export.main, ["--model", str(out), "--mode", "int8", "--out", str(out) + "/."])
+    assert "is the source model folder" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_out_that_would_overwrite_a_source_file(tiny_dir, tmp_path, cli_error, monkeypatch):
+    """A previous output whose config.json is a link to the source's: writing it would rewrite the source's."""
+    source, out = tmp_path / "source", tmp_path / "out"
+    assert export_int8(tiny_dir, source) == 0
+    assert export_int8(tiny_dir, out) == 0
+    (out / "config.json").unlink()
+    os.link(source / "config.json", out / "config.json")
+    no_loading(monkeypatch)
+    err = cli_error(export.main, ["--model", str(source), "--mode", "int8", "--out", str(out)])
+    assert "writing config.json would overwrite a file of the source model" in err
+
+
+@pytest.mark.parametrize("out, fragment", [
+    ("/proc/tinyllm-export", "cannot be written"),
+    ("", "--out is empty"),
+])
+def test_out_that_cannot_be_written(tmp_path, cli_error, out, fragment):
+    if out.startswith("/proc") and not os.path.isdir("/proc"):
+        pytest.skip("no /proc on this system")
+    err = cli_error(export.main, ["--mode", "int8", "--out", out, "--model", str(tmp_path / "missing.gguf")])
+    assert fragment in err  # not the missing model: --out is checked first
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder anyway")
+def test_out_without_permission(tmp_path, cli_error):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    err = cli_error(export.main, ["--mode", "int8", "--out", str(locked / "out"),
+                                  "--model", str(tmp_path / "missing.gguf")])
+    assert "cannot be written" in err and "Permission denied" in err
+
+
+def test_failed_write_leaves_the_previous_output_whole(tiny_dir, tmp_path, cli_error, monkeypatch):
+    """The disk fills while model.safetensors is written: the previous output is as it was, no partial file left."""
+    import errno
+
+    import safetensors.torch
+
+    out = tmp_path / "int8"
+    assert export_int8(tiny_dir, out) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(state, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    err = cli_error(export.main, ["--model", tiny_dir, "--mode", "int4:32", "--out", str(out)])
+    assert "cannot write to --out" in err and "No space left on device" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_leftovers_of_a_killed_export_and_stale_files(tiny_dir, tmp_path):
+    """A killed export's partial files do not make the folder foreign, and are replaced; a previous output's file
+    that this export does not write (a chat template that would override the new one) is removed."""
+    out = tmp_path / "int8"
+    out.mkdir()
+    (out / export.partial_name("model.safetensors")).write_bytes(b"killed midway")
+    assert export_int8(tiny_dir, out) == 0
+    (out / "chat_template.jinja").write_text("{{ messages }}")
+    (out / export.partial_name("config.json")).write_text("{")
+    assert export_int8(tiny_dir, out) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    loaded, _ = load_model(str(out), "cpu", torch.float32)
+    assert quantization_of(loaded)["quantization"] == "int8"

@@ -131,9 +131,9 @@ def test_missing_model_path(cli_error, tmp_path):
     assert "does not exist" in err and "missing.gguf" in err
 
 
-def test_unsupported_architecture(cli_error, tiny_dir, tmp_path):
+def test_unsupported_architecture(cli_error, tiny_text_dir, tmp_path):
     folder = tmp_path / "model"
-    shutil.copytree(tiny_dir, folder)
+    shutil.copytree(tiny_text_dir, folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -141,12 +141,56 @@ def test_unsupported_architecture(cli_error, tiny_dir, tmp_path):
                                                                                    str(folder)])
 
 
-def test_truncated_safetensors(cli_error, tiny_dir, tmp_path):
+def test_truncated_safetensors(cli_error, tiny_text_dir, tmp_path):
     folder = tmp_path / "model"
-    shutil.copytree(tiny_dir, folder)
+    shutil.copytree(tiny_text_dir, folder)
     data = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(data[:1000])
     assert "cannot read safetensors file" in error_of(cli_error, ["--prompt", "hi", "--model", str(folder)])
+
+
+@pytest.fixture()
+def broken_folder(tiny_text_dir, tmp_path):
+    """broken_folder(file, text) -> a copy of the tiny folder with `file` replaced by `text`."""
+    def make(file: str, text: str) -> str:
+        folder = tmp_path / "model"
+        shutil.copytree(tiny_text_dir, folder)
+        (folder / file).write_text(text)
+        return str(folder)
+    return make
+
+
+@pytest.mark.parametrize("file, text, fragment", [
+    ("tokenizer.json", "not json", "cannot read tokenizer file"),
+    ("tokenizer_config.json", '{"eos_token": "</s>", "chat_template": "{% for %}"}',
+     "the model's chat template failed on the messages"),
+    ("tokenizer_config.json", '{"eos_token": "</s>"}', "--chat needs a chat template"),
+])
+def test_broken_tokenizer_fails_before_the_weights_load(cli_error, broken_folder, monkeypatch, file, text, fragment):
+    def load_model(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the tokenizer's error was found")
+
+    monkeypatch.setattr(generate, "load_model", load_model)
+    err = error_of(cli_error, ["--prompt", "hi", "--chat", "--model", broken_folder(file, text)])
+    assert fragment in err
+
+
+@pytest.mark.slow
+def test_corrupt_folders_through_the_command(broken_folder, tiny_text_dir):
+    """As a user runs it, under `python -O` too (which drops asserts): one error line, no traceback."""
+    cfg = json.loads(open(f"{tiny_text_dir}/config.json").read())
+    for flags, file, text, fragment in [
+        (["-O"], "config.json", json.dumps({**cfg, "num_attention_heads": 7, "num_key_value_heads": 3}),
+         "7 attention heads are not a multiple of 3 key/value heads"),
+        ([], "config.json", "[]", "config.json must hold a JSON object, not a list"),
+        ([], "tokenizer.json", "{", "cannot read tokenizer file"),
+    ]:
+        folder = broken_folder(file, text)
+        result = run_py(*flags, "generate.py", "--model", folder, "--prompt", "hi", "--compile", "none")
+        assert result.returncode == 1 and result.stdout == "", (result.stdout, result.stderr)
+        assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+        assert fragment in result.stderr
+        shutil.rmtree(folder)
 
 
 def test_gguf_truncated_inside_its_metadata(cli_error, tmp_path, smollm2_gguf):

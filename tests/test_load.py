@@ -244,3 +244,152 @@ def test_fused_projections_split_and_join_back(mode):
         gate, up = (F.linear(x, state[f"layers.0.mlp.{n}_proj.weight"]) for n in ("gate", "up"))
         want = F.linear(F.silu(gate) * up, state["layers.0.mlp.down_proj.weight"])
         assert torch.allclose(mlp(x), want, atol=1e-6)
+
+
+# --- corrupt folders and files: one ValueError naming the problem, found before any weight is read ---
+
+class WeightRead(BaseException):
+    """Not an Exception: the loader's `except Exception` that names a tensor it cannot read must not catch it."""
+
+
+def forbid_weight_reads(monkeypatch) -> None:
+    """Reading any weight fails the test: the error must come from the checks that run before."""
+    import load
+
+    def read(*args, **kwargs):
+        raise WeightRead("a weight was read before the error was found")
+
+    monkeypatch.setattr(load, "read_hf_tensor", read)
+    monkeypatch.setattr(load, "gguf_dequantize", read)
+
+
+@pytest.fixture()
+def no_weight_reads(monkeypatch):
+    forbid_weight_reads(monkeypatch)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", "config.json must hold a JSON object, not a list"),
+    ("{oops", "config.json is not valid JSON"),
+    (b"\xff\xfe{}", "config.json is not UTF-8 text"),
+    (json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 160, "hidden_size": 64,
+                 "num_hidden_layers": 2, "num_attention_heads": 7, "num_key_value_heads": 3, "head_dim": 24,
+                 "intermediate_size": 112}), "7 attention heads are not a multiple of 3 key/value heads"),
+    # no head_dim and a hidden size 4 heads do not divide: head dim 66 // 4 = 16, which the weights contradict
+    (json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 160, "hidden_size": 66,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "intermediate_size": 112}), r"tensor embed_tokens.weight has shape \(160, 64\), expected \(160, 66\)"),
+])
+def test_corrupt_config_json(single_file, no_weight_reads, text, message):
+    folder, _ = single_file
+    (folder / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=message):
+        load_model(str(folder), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("dtype, stored", [(torch.int32, "I32"), (torch.bool, "BOOL"), (torch.uint8, "U8")])
+def test_float_weight_stored_as_integers(single_file, no_weight_reads, dtype, stored):
+    folder, state = single_file
+    state["model.layers.0.mlp.down_proj.weight"] = torch.ones(64, 112, dtype=dtype)
+    save_file(state, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=f"tensor layers.0.mlp.down_proj.weight is stored as {stored}, expected F64"):
+        load_model(str(folder), "cpu", torch.float32)
+
+
+def test_quantized_codes_of_the_wrong_dtype(tiny_dir, tmp_path, monkeypatch):
+    import export
+    from safetensors import safe_open
+
+    out = tmp_path / "int8"
+    assert export.main(["--model", tiny_dir, "--mode", "int8", "--out", str(out), "--dtype", "float32"]) == 0
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    state = load_file(out / "model.safetensors")
+    state["layers.1.self_attn.v_proj.weight"] = state["layers.1.self_attn.v_proj.weight"].float()
+    save_file(state, out / "model.safetensors", metadata=meta)
+    forbid_weight_reads(monkeypatch)
+    with pytest.raises(ValueError, match="layers.1.self_attn.v_proj.weight is stored as F32, expected I8"):
+        load_model(str(out), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("index, message", [
+    ("[]", "must hold a JSON object, not a list"),
+    ("{}", "has no weight_map object"),
+    ('{"weight_map": {"model.norm.weight": 3}}', "has no weight_map object"),
+])
+def test_corrupt_index(single_file, index, message):
+    folder, _ = single_file
+    (folder / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match=message):
+        load_model(str(folder), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("cut", [0, 7, -1])
+def test_truncated_or_empty_safetensors(single_file, cut):
+    folder, _ = single_file
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:cut])
+    with pytest.raises(ValueError, match="cannot read safetensors file"):
+        load_model(str(folder), "cpu", torch.float32)
+
+
+GGUF_META = {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 64,
+             "llama.block_count": 2, "llama.feed_forward_length": 128, "llama.vocab_size": 160}
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"llama.block_count": None}, "GGUF metadata has no llama.block_count"),
+    ({"llama.vocab_size": None}, "GGUF metadata has no llama.vocab_size"),
+    ({"llama.attention.head_count": 0}, "llama.attention.head_count must be a positive integer, got 0"),
+    ({"llama.attention.head_count_kv": 3}, "4 attention heads are not a multiple of 3 key/value heads"),
+    ({"llama.embedding_length": 72, "llama.attention.head_count": 8}, "head dim 9 is odd"),
+    ({"llama.rope.freq_base": -1.0}, "llama.rope.freq_base must be a positive number"),
+    ({"llama.rope.scaling.type": "linear"}, "llama.rope.scaling.factor must be a positive number, got None"),
+    ({"llama.expert_count": 2, "llama.expert_used_count": 3}, "3 experts per token is not within 1..2"),
+])
+def test_gguf_metadata_errors(edit, message):
+    from load import gguf_args
+
+    meta = {k: v for k, v in {**GGUF_META, **edit}.items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        gguf_args(meta, [])
+
+
+def test_gguf_tensor_of_a_type_that_cannot_be_dequantized(tmp_path):
+    """An I8 matrix (no GGUF converter writes one): named, instead of gguf's NotImplementedError."""
+    import numpy as np
+
+    from load import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
+    from tiny_models import llama_gguf_writer
+
+    hf = make_hf("llama-gqa")
+    writer = llama_gguf_writer(tmp_path / "i8.gguf", hf.config)
+    writer.add_key_length(hf.config.head_dim)
+    writer.add_value_length(hf.config.head_dim)
+    top, block = {v: k for k, v in GGUF_TOP_NAMES.items()}, {v: k for k, v in GGUF_BLOCK_NAMES.items()}
+    for name, t in hf.state_dict().items():
+        parts = name.removeprefix("model.").split(".")
+        gguf_name = f"blk.{parts[1]}.{block['.'.join(parts[2:-1])]}.weight" if parts[0] == "layers" else \
+            f"{top[parts[0]]}.weight"
+        w = t.numpy()
+        writer.add_tensor(gguf_name, w.astype(np.int8) if gguf_name == "blk.1.ffn_up.weight" else w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"cannot dequantize GGUF tensor 'layers.1.mlp.up_proj.weight' \(I8\)"):
+        load_model(str(tmp_path / "i8.gguf"), "cpu", torch.float32)
+
+
+def test_gguf_bad_alignment(tmp_path):
+    import gguf
+
+    from gguffile import read_gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "a.gguf"), "llama")
+    writer.add_uint32("general.alignment", 0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="general.alignment must be a positive integer, got 0"):
+        read_gguf(str(tmp_path / "a.gguf"))

@@ -147,10 +147,51 @@ def test_config_rope_layouts():
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type 'yarn'"),
     ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
     ({"attention_bias": True}, "attention_bias"),
+    # corrupt or hand-edited values: a ValueError naming the key, not an assert (gone under `python -O`) or a
+    # TypeError/ZeroDivisionError from inside the model
+    ({"num_attention_heads": 7, "num_key_value_heads": 3, "head_dim": 4},
+     "7 attention heads are not a multiple of 3 key/value heads"),
+    ({"head_dim": 3}, "head dim 3 is odd"),
+    ({"vocab_size": None}, "config.json has no vocab_size"),
+    ({"hidden_size": "8"}, r"config.json hidden_size must be a positive integer, got '8'"),
+    ({"hidden_size": 8.0}, r"config.json hidden_size must be a positive integer, got 8.0"),
+    ({"num_hidden_layers": True}, "config.json num_hidden_layers must be a positive integer, got True"),
+    ({"num_hidden_layers": -1}, "config.json num_hidden_layers must be a positive integer, got -1"),
+    ({"num_attention_heads": 0}, "config.json num_attention_heads must be a positive integer, got 0"),
+    ({"num_key_value_heads": 0}, "config.json num_key_value_heads must be a positive integer, got 0"),
+    ({"max_position_embeddings": 0}, "config.json max_position_embeddings must be a positive integer"),
+    ({"rms_norm_eps": "1e-5"}, "config.json rms_norm_eps must be a positive number, got '1e-5'"),
+    ({"rope_theta": float("inf")}, "config.json rope_theta must be a positive number, got inf"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures must be a list"),
+    ({"rope_scaling": "linear"}, "rope_scaling must be an object, got 'linear'"),
+    ({"rope_scaling": {"rope_type": ["linear"]}}, r"unsupported rope type \['linear'\]"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope type 'linear' needs rope_scaling factor"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "rope_scaling factor must be a positive number"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "rope type 'llama3' needs rope_scaling low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 16}}, "high_freq_factor 4.0 must be greater than"),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 0}, "num_local_experts must be a positive"),
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 2, "num_experts_per_tok": 3},
+     r"3 experts per token is not within 1..2 experts"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": -4}, "sliding_window must be a positive integer"),
 ])
 def test_config_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
         ModelArgs.from_hf_config(hf_config(**overrides))
+
+
+def test_config_that_is_not_an_object():
+    with pytest.raises(ValueError, match="config.json must hold a JSON object, not a list"):
+        ModelArgs.from_hf_config([hf_config()])
+
+
+def test_config_defaults_still_load():
+    """Optional keys unset or null take their defaults; a Mistral without a window has none."""
+    args = ModelArgs.from_hf_config(hf_config(architectures=["MistralForCausalLM"], sliding_window=None,
+                                              num_key_value_heads=None, head_dim=None))
+    assert (args.n_kv_heads, args.head_dim, args.sliding_window, args.max_seq_len) == (2, 4, None, 4096)
 
 
 def test_per_row_positions_match_single_rows(pair):

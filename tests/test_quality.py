@@ -1,7 +1,6 @@
 """quality.py: the teacher-forced comparison against hand-computed values and the uncached model, the quality of
 each quantization on SmolLM2 (measured bounds), and the command line on any model folder and any text."""
 import copy
-import json
 import math
 import os
 
@@ -36,22 +35,6 @@ def test_teacher_forced_logprobs_match_the_uncached_model(tiny):
 
 
 # ---- the command line on any text: a tiny model folder with a character tokenizer ----
-
-@pytest.fixture(scope="module")
-def tiny_text_dir(tiny_dir, tmp_path_factory) -> str:
-    """The tiny model folder plus a character-level tokenizer.json (printable ASCII, 99 ids of its 160)."""
-    import shutil
-
-    from tokenizers import Tokenizer, models
-
-    folder = tmp_path_factory.mktemp("tiny_text") / "model"
-    shutil.copytree(tiny_dir, folder)
-    chars = ["<unk>", "<s>", "</s>", "\n"] + [chr(c) for c in range(32, 127)]
-    Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, [], unk_token="<unk>")).save(
-        str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    return str(folder)
-
 
 def test_cli_scores_any_text_and_prints_the_table(tiny_text_dir, tmp_path, capsys):
     text = tmp_path / "short.txt"

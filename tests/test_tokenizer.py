@@ -471,3 +471,54 @@ def test_unigram_sentencepiece_rejected(tmp_path):
     train_sentencepiece(str(tmp_path), model_type="unigram")
     with pytest.raises(ValueError, match="model type 'UNIGRAM' is not supported"):
         load_tokenizer(str(tmp_path))
+
+
+def char_folder(folder) -> str:
+    """A character-level tokenizer.json with tokenizer_config.json: the folder the corruption tests edit."""
+    from tokenizers import Tokenizer, models
+
+    chars = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(32, 127)]
+    Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, [], unk_token="<unk>")).save(
+        os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "</s>"}, f)
+    return str(folder)
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("tokenizer.json", "not json at all", "cannot read tokenizer file .*tokenizer.json"),
+    ("tokenizer.json", "[]", "cannot read tokenizer file .*tokenizer.json"),
+    ("tokenizer_config.json", "[]", "tokenizer_config.json must hold a JSON object, not a list"),
+    ("tokenizer_config.json", "{", "cannot read .*tokenizer_config.json"),
+    ("tokenizer_config.json", '{"eos_token": 5}', "tokenizer_config.json eos_token must be a string, got 5"),
+    ("tokenizer_config.json", '{"chat_template": 5}', "chat_template must be a string or a list of named"),
+    ("generation_config.json", '{"eos_token_id": "two"}', "generation_config.json eos_token_id must be a token id"),
+    ("config.json", '{"bos_token_id": [true]}', "config.json bos_token_id must be a token id"),
+    ("chat_template.jinja", b"\xff\xfe", "cannot read .*chat_template.jinja"),
+])
+def test_corrupt_folder_files(tmp_path, name, text, message):
+    folder = char_folder(tmp_path)
+    load_tokenizer(folder)  # the folder as written loads
+    (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=message):
+        load_tokenizer(folder)
+
+
+def test_corrupt_sentencepiece_model(tmp_path):
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\xff\xff\xff\xff garbage")
+    with pytest.raises(ValueError, match="cannot read sentencepiece model"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_truncated_gguf_names_the_file(tmp_path, smollm2_gguf):
+    truncated = tmp_path / "cut.gguf"
+    with open(smollm2_gguf, "rb") as f:
+        truncated.write_bytes(f.read(100_000))  # inside the vocabulary
+    with pytest.raises(ValueError, match=r"cannot read GGUF file .*cut.gguf.: the file ends inside its header"):
+        load_tokenizer(str(truncated))
+
+
+def test_gguf_without_merges(tmp_path):
+    path = write_gguf(str(tmp_path / "nomerges.gguf"), "gpt2", ["a", "b"], [1, 1])
+    with pytest.raises(ValueError, match="no tokenizer.ggml.merges list"):
+        load_tokenizer(path)

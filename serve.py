@@ -16,17 +16,33 @@ not answer to and a cross-origin Origin (a web page driving a local server: CSRF
 key, a POST that is not JSON, a body over the size limit or too slow to arrive, anything while shutting down. It
 counts every response by status and turns any exception into one log line and an error in OpenAI's format.
 Parsing a body, rendering the chat template and tokenizing run on a worker thread, never on the event loop.
+Beneath it, GuardedH11Protocol (uvicorn's h11 protocol) bounds connections: a request head must arrive within
+--header-timeout, at most --max-connections are open (the next ones get 503), a head over 16 KiB gets 431, and a
+connection closed after such an answer is read to its end first, so that the client gets the answer, not a reset.
 SIGTERM or SIGINT drains: new requests get 503, running ones may finish within --shutdown-timeout, the rest end
-with an error event, and the process exits 0.
+with an error event, and the process exits 0 (a signal before the server is up ends it at once, also with 0).
 """
+import os
+import signal
+
+
+def stop_now(signum: int, frame) -> None:
+    """SIGTERM or SIGINT before the server is up (importing torch, loading: seconds): nothing is served yet, so
+    the process ends at once, status 0, as a drained server does; no KeyboardInterrupt traceback."""
+    os._exit(0)
+
+
+if __name__ == "__main__":  # before the imports below, which take seconds
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_now)
+
 import argparse
 import asyncio
 import bisect
+import functools
 import hmac
 import json
 import logging
-import os
-import signal
 import sys
 import threading
 import time
@@ -35,13 +51,16 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
+from http import HTTPStatus
 
+import h11
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cli import DTYPES, default_model, pick_device, pick_dtype, run_cli
 from engine import Engine, EngineConfig, Event, QueueFull, Request
@@ -68,6 +87,13 @@ OPEN_ROUTES = ("/health", "/metrics")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # Host header names served by default, besides the bound host
 API_KEY_ENV = "TINYLLM_API_KEY"
 RETRY_AFTER_S = 1  # told to a client refused with 429: the queue moves at the engine's pace, a step or a few
+MAX_HEAD_BYTES = 16 * 2 ** 10  # request line and headers (h11's default, Node's too); a longer head gets 431
+LINGER_S = 2.0  # how long a connection closed after an error answer is still read (see GuardedH11Protocol.answer)
+REFUSING_MAX = 32  # connections over --max-connections answered 503 at a time; beyond, they are reset (a flood)
+BACKLOG = 64  # connections the kernel queues for accept(), and asyncio accepts at once before any is refused
+# Descriptors kept beside the connections: ~10 at rest (stdio, the listening socket, epoll, pipes), the refusals,
+# and a few accept batches (a connection is refused only a few loop iterations after it was accepted).
+FD_RESERVE = 32 + REFUSING_MAX + 4 * BACKLOG
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: its format, and --quiet silences it
 JSON_KINDS = {"number": (int, float), "integer": (int,), "string": (str,), "boolean": (bool,), "object": (dict,),
               "array": (list,)}
@@ -80,6 +106,10 @@ class ServeConfig:
     hosts: tuple[str, ...] = LOCAL_HOSTS  # Host header names answered, lowercase, IPv6 in brackets; "*": any
     max_body_bytes: int = 4 * 2 ** 20  # a prompt filling an 8k context is ~50 KB of JSON; 4 MiB leaves ample room
     body_timeout_s: float = 30.0  # a body must have arrived this long after its headers (slow clients)
+    header_timeout_s: float = 10.0  # a request head must have arrived this long after the connection opened or
+    # the previous response ended (Go servers' usual ReadHeaderTimeout); an idle one closes after 5 s (keep-alive)
+    max_connections: int = 512  # open at once, more get 503: with FD_RESERVE, under the usual limit of 1024 files
+    special: bool = True  # special tokens' names in a /v1/completions prompt are those tokens (chat content: never)
     shutdown_timeout_s: float = 20.0  # grace for running requests on SIGTERM; under Kubernetes' 30 s to SIGKILL
 
 
@@ -218,20 +248,21 @@ def longest_token(tokenizer) -> int:
     return max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)))
 
 
-def encode(tokenizer, text: str, max_chars: int, param: str, bos: bool | None = None) -> list[int]:
-    """tokenizer.encode, refusing first a text too long for the context by its length alone: megabytes of prompt
-    are never tokenized. max_chars: (positions - 1) * longest_token(tokenizer)."""
+def check_chars(text: str, max_chars: int, param: str) -> None:
+    """Refuse a text too long for the context by its length alone, before tokenizing it: megabytes of prompt are
+    never tokenized. max_chars: (positions - 1) * longest_token(tokenizer)."""
     if len(text) > max_chars:
         raise BadRequest(f"the prompt is {len(text)} characters, longer than the context: no more than {max_chars} "
                          "characters can fit in it", param)
-    return tokenizer.encode(text, bos=bos)
 
 
-def completion_prompt(body: dict, tokenizer, max_chars: int) -> list[int]:
-    """The prompt of /v1/completions: a string (encoded with BOS), or token ids."""
+def completion_prompt(body: dict, tokenizer, max_chars: int, special: bool = True) -> list[int]:
+    """The prompt of /v1/completions: a string (encoded with BOS; special tokens' names in it are those tokens
+    unless `special` is False, serve.py --prompt-special-tokens text), or token ids."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return encode(tokenizer, prompt, max_chars, "prompt")
+        check_chars(prompt, max_chars, "prompt")
+        return tokenizer.encode(prompt, special=special)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
         if bad:
@@ -242,7 +273,8 @@ def completion_prompt(body: dict, tokenizer, max_chars: int) -> list[int]:
 
 
 def chat_prompt(body: dict, tokenizer, max_chars: int) -> list[int]:
-    """The prompt of /v1/chat/completions: the messages rendered with the model's chat template (which has BOS)."""
+    """The prompt of /v1/chat/completions: the messages rendered with the model's chat template (which has BOS),
+    their contents tokenized as text (a special token's name in a message is no special token, as in OpenAI's API)."""
     import jinja2
 
     messages = get(body, "messages", "array")
@@ -262,10 +294,10 @@ def chat_prompt(body: dict, tokenizer, max_chars: int) -> list[int]:
             raise BadRequest(f"messages[{i}].content must be a string or an array of text parts", "messages")
         turns.append({"role": "system" if role == "developer" else role, "content": content})
     try:
-        text = tokenizer.apply_chat_template(turns)
+        check_chars(tokenizer.apply_chat_template(turns), max_chars, "messages")
+        return tokenizer.encode_chat(turns)
     except jinja2.TemplateError as e:
         raise BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
-    return encode(tokenizer, text, max_chars, "messages", bos=False)
 
 
 def constraint_of(body: dict) -> tuple[Constraint, str] | None:
@@ -312,7 +344,8 @@ def constraint_of(body: dict) -> tuple[Constraint, str] | None:
 
 
 def parse_body(raw: bytes, chat: bool, tokenizer, max_len: int, max_chars: int,
-               compile_grammar: Callable[[Constraint], Grammar] | None = None) -> tuple[Request, bool, bool]:
+               compile_grammar: Callable[[Constraint], Grammar] | None = None,
+               special: bool = True) -> tuple[Request, bool, bool]:
     """parse_request of a raw body. Run on a worker thread: a large body takes a while to parse and tokenize, and
     a grammar to compile."""
     try:
@@ -321,17 +354,19 @@ def parse_body(raw: bytes, chat: bool, tokenizer, max_len: int, max_chars: int,
         except ValueError as e:  # also bad UTF-8
             raise BadRequest(f"the request body is not valid JSON: {e}") from None
         check_unicode(body)
-        return parse_request(body, chat, tokenizer, max_len, max_chars, compile_grammar)
+        return parse_request(body, chat, tokenizer, max_len, max_chars, compile_grammar, special)
     except RecursionError:  # json.loads, or json.dumps quoting a value in a message
         raise BadRequest("the request body is nested too deeply") from None
 
 
 def parse_request(body, chat: bool, tokenizer, max_len: int, max_chars: int,
-                  compile_grammar: Callable[[Constraint], Grammar] | None = None) -> tuple[Request, bool, bool]:
+                  compile_grammar: Callable[[Constraint], Grammar] | None = None,
+                  special: bool = True) -> tuple[Request, bool, bool]:
     """A request body -> (engine Request, stream, include_usage); BadRequest names what is wrong. max_len: the
-    most positions a sequence may take (chat's max_tokens defaults to what the prompt leaves of it); max_chars:
-    the longest prompt text worth tokenizing (see encode); compile_grammar: a structured-output constraint -> its
-    compiled grammar (ValueError for a bad one)."""
+    most positions a sequence may take, prompt and completion (chat's max_tokens defaults to what the prompt
+    leaves of it); max_chars: the longest prompt text worth tokenizing (see check_chars); compile_grammar: a
+    structured-output constraint -> its compiled grammar (ValueError for a bad one); special: whether special
+    tokens' names in a completion prompt are those tokens (see completion_prompt)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
@@ -343,12 +378,17 @@ def parse_request(body, chat: bool, tokenizer, max_len: int, max_chars: int,
                              f"{json.dumps(only)}", name)
     get(body, "model", "string")  # any name is served by the one model
     get(body, "user", "string")
-    prompt = chat_prompt(body, tokenizer, max_chars) if chat else completion_prompt(body, tokenizer, max_chars)
+    prompt = chat_prompt(body, tokenizer, max_chars) if chat else completion_prompt(body, tokenizer, max_chars,
+                                                                                    special)
     params = sampling_params(body)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = get(body, name, "integer", max(1, max_len - len(prompt)) if chat else COMPLETION_MAX_TOKENS)
+    room = max_len - len(prompt)  # what the prompt leaves of the context; < 1: the engine refuses the prompt
+    max_tokens = get(body, name, "integer", max(1, room if chat else min(COMPLETION_MAX_TOKENS, room)))
     if max_tokens < 1:
         raise BadRequest(f"{name} must be >= 1, got {max_tokens}", name)
+    if max_tokens > room >= 1:  # as OpenAI and vLLM: a 400, not a completion silently cut at the context
+        raise BadRequest(f"{name} {max_tokens} does not fit: the context holds {max_len} tokens and the prompt "
+                         f"takes {len(prompt)}, so {name} can be at most {room}", name)
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -700,7 +740,7 @@ async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
         raw = await http.body()  # at most config.max_body_bytes, or Gate answers 413
         request, stream, include_usage = await asyncio.to_thread(parse_body, raw, chat, server.tokenizer,
                                                                  server.max_len, server.max_chars,
-                                                                 server.compile_grammar)
+                                                                 server.compile_grammar, server.config.special)
         if server.error is not None or server.closed is not None:
             return error(503, server.error or server.closed, "server_error")
         request_id, queue = server.submit(request)
@@ -767,6 +807,7 @@ def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = T
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.loop = asyncio.get_running_loop()
+        server.loop.set_exception_handler(QuietLoopErrors())
         if engine_thread:
             server.start()
         yield
@@ -805,6 +846,158 @@ def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = T
         return Response(server.metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+# ---- connections: what uvicorn's h11 protocol leaves unbounded ----
+
+class QuietLoopErrors:
+    """The event loop's handler for errors it has nowhere to raise: one log line (no traceback) per kind of error
+    at most every `every_s`. Out of file descriptors, asyncio's accept loop reported EMFILE with a traceback once
+    per connection waiting in the backlog, thousands a second."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s = every_s
+        self.last: dict[str, float] = {}  # message -> when it was last logged
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        message, exc = context.get("message", "event loop error"), context.get("exception")
+        if loop.time() - self.last.get(message, -self.every_s) < self.every_s:
+            return
+        self.last[message] = loop.time()
+        log.error(f"{message}: {type(exc).__name__}: {exc}" if exc else message)
+
+
+class Connections:
+    """What the connections of one server share, on its event loop: the limits and the count of those refused."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.refusing = 0  # over max_connections, answered 503 and being closed
+        self.warned = -float("inf")  # when a refusal was last logged (at most every 10 s: a flood is many)
+
+
+class H11Connection(h11.Connection):
+    """h11's connection, keeping the error of the input it could not parse: its status hint is 431 for a head over
+    the size limit, which uvicorn answers with 400."""
+    error: h11.RemoteProtocolError | None = None
+
+    def next_event(self):
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as e:
+            self.error = e
+            raise
+
+
+def raw_response(status: int, message: str) -> bytes:
+    """A whole HTTP/1.1 response with an error in OpenAI's format, closing the connection: what is answered
+    beneath the app (no request reached it)."""
+    body = json.dumps(error_body(message, "server_error" if status >= 500 else "invalid_request_error")).encode()
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the limits it lacks. A request head (request line and headers) must arrive
+    within header_timeout_s of the connection's opening or of the previous response's end: uvicorn set no timer
+    before the first request and re-armed its keep-alive timer at every byte, so a silent or dribbling client held
+    its connection forever. At most max_connections are open: the next ones are answered 503 (uvicorn's
+    limit_concurrency still accepts them all), until 21,000 idle ones had exhausted the file descriptors. A head
+    over MAX_HEAD_BYTES is answered 431."""
+
+    def __init__(self, *args, connections: Connections, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.conn = H11Connection(h11.SERVER, MAX_HEAD_BYTES)
+        self.limits = connections
+        self.refused = False  # over max_connections: never served
+        self.closing = False  # answered an error; input is read and dropped until the connection closes
+        self.head_timer: asyncio.TimerHandle | None = None
+        self.linger_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        limits, config = self.limits, self.limits.config
+        if len(self.connections) < config.max_connections:
+            super().connection_made(transport)
+            self.expect_head()
+            return
+        self.transport, self.refused = transport, True
+        if limits.refusing >= REFUSING_MAX:  # a flood: no descriptors to spare on answering each
+            transport.abort()
+            return
+        limits.refusing += 1
+        if self.loop.time() - limits.warned >= 10:
+            limits.warned = self.loop.time()
+            log.warning(f"refusing connections: {config.max_connections} are open (serve.py --max-connections)")
+        self.answer(503, f"the server has {config.max_connections} connections open, its limit; retry later")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self.head_timer, self.linger_timer):
+            if timer is not None:
+                timer.cancel()
+        if self.refused:
+            if self.closing:  # answered (an aborted one was not counted)
+                self.limits.refusing -= 1
+            return
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.closing:
+            super().data_received(data)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self.expect_head()
+
+    def expect_head(self) -> None:
+        """Wait header_timeout_s for the next request's head."""
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+        self.head_timer = self.loop.call_later(self.limits.config.header_timeout_s, self.head_timed_out)
+
+    def head_timed_out(self) -> None:
+        if self.closing or self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return  # a request arrived since (its body has body_timeout_s), or the connection is closing
+        if not self.conn.trailing_data[0]:  # nothing sent: close it, as an idle keep-alive connection is closed
+            self.transport.close()
+            return
+        self.answer(408, f"the request head did not arrive within {self.limits.config.header_timeout_s:g} s")
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to input h11 cannot parse: h11's status (431 for a head over the limit), in OpenAI's
+        format."""
+        error = self.conn.error
+        if error is not None and error.error_status_hint == 431:
+            self.answer(431, f"the request line and headers are over {MAX_HEAD_BYTES} bytes")
+        else:
+            self.answer(400, f"the request is not valid HTTP/1.1: {error or msg}")
+
+    def answer(self, status: int, message: str) -> None:
+        """Write an error response and close, without a reset: a socket closed with input unread resets the
+        connection, and the client's TCP discards the answer it has not read yet (a 1 MB head got a reset, not
+        its error). So the write side is shut and the input read and dropped until the client closes or for
+        LINGER_S."""
+        self.closing = True
+        self.transport.write(raw_response(status, message))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
+
+
+def use_file_descriptors(max_connections: int) -> None:
+    """Make sure max_connections sockets and FD_RESERVE more can be open, raising the process's soft limit on open
+    files up to its hard limit if need be; a ValueError when even that is too low."""
+    import resource
+
+    need = max_connections + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and need > hard:
+        raise ValueError(f"--max-connections {max_connections} needs {need} open files, over this process's limit "
+                         f"of {hard} (ulimit -n): pass --max-connections {max(1, hard - FD_RESERVE)} or less, or "
+                         "raise the limit")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 # ---- command line ----
@@ -846,16 +1039,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Host header names to answer besides localhost, 127.0.0.1, [::1] and --host ('*': any)")
     p.add_argument("--max-body-bytes", type=int, default=serving.max_body_bytes,
                    help=f"larger request bodies get HTTP 413 (default {serving.max_body_bytes})")
+    p.add_argument("--header-timeout", type=float, default=serving.header_timeout_s, metavar="SECONDS",
+                   help="a request's line and headers must arrive within this long of the connection's opening or "
+                   f"of the previous response's end, else 408 and the connection closes (default "
+                   f"{serving.header_timeout_s:g})")
+    p.add_argument("--max-connections", type=int, default=serving.max_connections, metavar="N",
+                   help=f"connections open at once; more are answered 503 (default {serving.max_connections})")
     p.add_argument("--shutdown-timeout", type=float, default=serving.shutdown_timeout_s, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long running requests may take to finish before they are ended "
                    f"(default {serving.shutdown_timeout_s:g})")
+    p.add_argument("--prompt-special-tokens", default="tokens", choices=["tokens", "text"],
+                   help="how a special token's name ('<|im_start|>') in a /v1/completions prompt is read: as that "
+                   "token (default, as vLLM and llama.cpp's server do: the prompt may be a chat template written "
+                   "out) or as text. Chat message content is always text, as in OpenAI's API")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
     return p.parse_args(argv)
 
 
 def check_flags(args: argparse.Namespace) -> None:
     """A ValueError for a flag out of range, before the model loads."""
-    for flag in ("block_size", "max_running", "max_waiting", "token_budget", "max_body_bytes"):
+    for flag in ("block_size", "max_running", "max_waiting", "token_budget", "max_body_bytes", "max_connections"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.num_blocks != "auto" and args.num_blocks < 2:
@@ -864,6 +1067,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if not 0 < args.header_timeout < float("inf"):
+        raise ValueError(f"--header-timeout must be > 0 seconds, got {args.header_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError(f"--api-key (or ${API_KEY_ENV}) is empty; leave it unset to serve without a key")
 
@@ -883,7 +1088,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     names = [*LOCAL_HOSTS, *([] if args.host in ("0.0.0.0", "::", "") else [args.host]), *args.allowed_hosts]
     hosts = [f"[{h}]" if ":" in h and not h.startswith("[") else h for h in (n.strip().lower() for n in names)]
     return ServeConfig(api_key=args.api_key, hosts=tuple(dict.fromkeys(hosts)), max_body_bytes=args.max_body_bytes,
-                       shutdown_timeout_s=args.shutdown_timeout)
+                       shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.header_timeout,
+                       max_connections=args.max_connections, special=args.prompt_special_tokens == "tokens")
 
 
 def check_port(host: str, port: int) -> None:
@@ -911,6 +1117,7 @@ def run(args: argparse.Namespace) -> None:
 
     check_flags(args)
     check_port(args.host, args.port)  # before the model loads
+    use_file_descriptors(args.max_connections)
     device = pick_device(args.device)
     dtype, dtype_why = pick_dtype(args.dtype, device)
     model_path = args.model or default_model()
@@ -919,13 +1126,15 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(path)
     config = engine_config(args, model.args.max_seq_len)
     engine = Engine(model, tokenizer, config)
-    app = make_app(engine, tokenizer, served_name(model_path), engine_thread=False, config=serve_config(args))
+    serving = serve_config(args)
+    app = make_app(engine, tokenizer, served_name(model_path), engine_thread=False, config=serving)
     server = app.state.server
     # timeout_keep_alive: an idle connection is closed after 5 s. The graceful timeout only backs up drain(),
     # which has ended every request by the time uvicorn stops.
-    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=not args.quiet,
+    protocol = functools.partial(GuardedH11Protocol, connections=Connections(serving))  # called per connection
+    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, http=protocol, access_log=not args.quiet,
                                          log_level="warning" if args.quiet else "info", timeout_keep_alive=5,
-                                         timeout_graceful_shutdown=5))
+                                         timeout_graceful_shutdown=5, backlog=BACKLOG))
     web = threading.Thread(target=http.run, name="http", daemon=True)
     web.start()
     while not http.started and web.is_alive():
@@ -943,6 +1152,10 @@ def run(args: argparse.Namespace) -> None:
     try:
         stopped = server.run_engine()  # until drain() stops it, or it fails (it printed why; requests got it)
     finally:
+        # Exiting: a later signal changes nothing. Python resets its handlers to the default late in its teardown
+        # (seconds, with torch loaded), and a second Ctrl-C then killed the process (status -2, not 0).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         http.should_exit = True
         web.join(timeout=10)
     if not stopped:

@@ -7,6 +7,8 @@ added exactly once and only when asked.
 
 import json
 import os
+import re
+import threading
 from functools import lru_cache
 
 # Pre-tokenizer regexes of byte-level BPE vocabularies, by llama.cpp's `tokenizer.ggml.pre` name.
@@ -39,10 +41,18 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token = backend.id_to_token(bos_id) if bos_id is not None else None
         self.eos_token = backend.id_to_token(self.eos_ids[0]) if self.eos_ids else None
+        # The special tokens' names ("<|im_start|>"), longest first: a regex alternative wins by order, and the
+        # backend matches the longest name.
+        names = sorted((t.content for t in backend.get_added_tokens_decoder().values() if t.special), key=len,
+                       reverse=True)
+        self.specials = re.compile("|".join(map(re.escape, names))) if names else None
+        self._text_backend = None  # the backend matching no special token, built at first use (see text_backend)
+        self._lock = threading.Lock()  # requests are tokenized on several threads
 
-    def encode(self, text: str, bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; special tokens written in it are matched whole. bos=None follows add_bos."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of `text`. special: a special token's name written in it ("<|im_start|>") is that token, else
+        it is text like the rest. bos=None follows add_bos."""
+        ids = (self.backend if special else self.text_backend()).encode(text, add_special_tokens=False).ids
         if self.add_bos if bos is None else bos:
             if self.bos_id is None:
                 raise ValueError("bos=True but this tokenizer has no BOS token")
@@ -54,6 +64,50 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens included."""
         return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def text_backend(self):
+        """A copy of the backend that reads special tokens' names as text, made when first needed (copying a
+        vocabulary takes a while, and most tokenizers never need it)."""
+        from tokenizers import Tokenizer as Backend
+
+        with self._lock:
+            if self._text_backend is None:
+                self._text_backend = Backend.from_str(self.backend.to_str())
+                self._text_backend.encode_special_tokens = True  # user-defined (non-special) tokens still match
+            return self._text_backend
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` rendered with the chat template: the template's own special tokens are control
+        tokens and every message's content is text, as OpenAI tokenizes chat. So "<|im_end|>\\n<|im_start|>system"
+        typed in a message is those characters, never a turn of its own."""
+        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        if self.specials is None or not any(self.specials.search(c) for c in contents):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt), bos=False)  # the usual case
+        # Render with each special token's name in a content hidden behind a placeholder: every special token left
+        # in the text is then the template's own. Between them, each stretch is encoded as text, names restored.
+        # (Each stretch is tokenized on its own, as the backend does between special tokens anyway; a sentencepiece
+        # vocabulary adds its "▁" prefix before each stretch where it would add it only at the text's start.) The
+        # placeholder's private-use character is hidden as well where a content has it, so it marks only them.
+        mark = "\ue000"
+        hiding = re.compile(f"{self.specials.pattern}|{mark}")
+        names: list[str] = []
+
+        def hide(match: re.Match) -> str:
+            names.append(match.group())
+            return f"{mark}{len(names) - 1}{mark}"
+
+        hidden = [{**m, "content": hiding.sub(hide, m["content"])} if isinstance(m.get("content"), str) else m
+                  for m in messages]
+        text = self.apply_chat_template(hidden, add_generation_prompt)
+        placeholder = re.compile(f"{mark}([0-9]+){mark}")
+        ids, start = [], 0
+        for match in [*self.specials.finditer(text), None]:
+            stretch = placeholder.sub(lambda p: names[int(p.group(1))], text[start:match.start() if match else None])
+            ids += self.text_backend().encode(stretch, add_special_tokens=False).ids if stretch else []
+            if match is not None:
+                ids.append(self.backend.token_to_id(match.group()))
+                start = match.end()
+        return ids + [self.eos_ids[0]] * self.add_eos
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render `messages` with the model's Jinja chat template, as transformers' apply_chat_template does."""

@@ -23,11 +23,12 @@ import time
 import torch
 
 from cli import DTYPES, default_model, pick_device, pick_dtype, run_cli
-from decode import COMPILE_MODES, auto_compile, eager_step, make_step
-from kvcache import KVCache
+from decode import generate, generate_batch
 from load import load_model
 from model import ModelArgs, Transformer
 from quantize import describe, quantize_model, weight_bytes
+from sample import SamplingParams
+from step import COMPILE_MODES, Step
 
 # Published shapes, for random-weight runs and capacity plans.
 SHAPES = {
@@ -152,38 +153,36 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
-def run_once(model, decode_step, batch_size: int, prompt_len: int, new_tokens: int, device) -> dict:
-    """One greedy generation from a random prompt; returns prefill and per-step decode timings."""
+def run_once(model, step: Step, batch_size: int, prompt_len: int, new_tokens: int, device) -> dict:
+    """One greedy generation from random prompts through the loop users run (decode.generate, or generate_batch for
+    several rows) with `step`: the time to the first token (prefill and its sample) and per later token."""
     args = model.args
-    cache = KVCache.for_model(args, batch_size, prompt_len + new_tokens, model.embed_tokens.weight.dtype, device)
-    prompt = torch.randint(0, args.vocab_size, (batch_size, prompt_len), device=device)
+    prompts = torch.randint(0, args.vocab_size, (batch_size, prompt_len)).tolist()
+    greedy = SamplingParams(temperature=0)  # no stop ids: every run generates new_tokens
+    tokens = generate(model, prompts[0], new_tokens, greedy, step=step) if batch_size == 1 else \
+        generate_batch(model, prompts, new_tokens, greedy, step=step)
     sync(device)
     t0 = time.perf_counter()
-    logits = decode_step(model, prompt, torch.arange(prompt_len, device=device), cache)  # prefill
-    token = logits.argmax(-1, keepdim=True)  # (B, 1)
+    next(tokens)
     sync(device)
     ttft = time.perf_counter() - t0
     t1 = time.perf_counter()
-    for pos in range(prompt_len, prompt_len + new_tokens - 1):
-        token = decode_step(model, token, torch.tensor([pos], device=device), cache).argmax(-1, keepdim=True)
+    n = sum(1 for _ in tokens)  # each one is one decode step (and its sample)
     sync(device)
-    return {"ttft": ttft, "tpot": (time.perf_counter() - t1) / (new_tokens - 1), "cache_bytes": cache.nbytes,
-            "kv_per_token": cache.bytes_per_token}
+    assert n == new_tokens - 1, f"{n} decode steps vs {new_tokens - 1}"
+    # the loop's static cache: k and v of every layer for prompt + new tokens, all read by each step
+    kv_per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim * model.embed_tokens.weight.element_size()
+    return {"ttft": ttft, "tpot": (time.perf_counter() - t1) / n, "kv_per_token": kv_per_token,
+            "cache_bytes": kv_per_token * batch_size * (prompt_len + new_tokens)}
 
 
-def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs: int, compile: str,
+def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs: int, step: Step,
           bandwidth: float, peak_tflops: float) -> dict:
-    """compile: "none", "blocks" or "full" (decode.make_step's modes, "auto" resolved)."""
-    if compile != "none":
-        t0 = time.perf_counter()
-        decode_step = make_step(model, compile)
-        run_once(model, decode_step, batch_size, prompt_len, new_tokens, device)  # compiles
-        compile_s = time.perf_counter() - t0
-    else:
-        decode_step, compile_s = eager_step, 0.0
-        run_once(model, decode_step, batch_size, prompt_len, min(new_tokens, 8), device)  # warm-up
-    results = [run_once(model, decode_step, batch_size, prompt_len, new_tokens, device) for _ in range(runs)]
+    """Median timings of `runs` generations with `step`, after one that warms it up (and compiles it)."""
+    t0 = time.perf_counter()
+    run_once(model, step, batch_size, prompt_len, new_tokens if step.mode != "none" else min(new_tokens, 8), device)
+    compile_s = time.perf_counter() - t0 if step.mode != "none" else 0.0
+    results = [run_once(model, step, batch_size, prompt_len, new_tokens, device) for _ in range(runs)]
     ttft = statistics.median(r["ttft"] for r in results)
     tpot = statistics.median(r["tpot"] for r in results)
     wbytes = weight_bytes(model)
@@ -314,8 +313,8 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"prompt + new tokens = {max_len} exceeds the model's context of {model.args.max_seq_len}")
     bandwidth = measure_bandwidth(device)
     peak_tflops = measure_matmul_tflops(device, dtype)
-    compile = auto_compile(model) if args.compile == "auto" else args.compile
-    rows = [bench(model, device, b, p, args.new_tokens, args.runs, compile, bandwidth, peak_tflops)
+    step = Step(model, args.compile)
+    rows = [bench(model, device, b, p, args.new_tokens, args.runs, step, bandwidth, peak_tflops)
             for b in args.batch_size for p in args.prompt_len]
     if args.json_schema is not None:
         from grammar import Compiler, Constraint, json_schema_arg
@@ -331,14 +330,14 @@ def run(args: argparse.Namespace) -> None:
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
               f"weights {describe(model)} | "
-              f"{'eager' if compile == 'none' else 'compiled: ' + compile} | {args.new_tokens} new tokens, "
+              f"{'eager' if step.mode == 'none' else 'compiled: ' + step.mode} | {args.new_tokens} new tokens, "
               f"median of {args.runs}")
-    if compile != "none":
+    if step.mode != "none":
         header += f" | compile + first run {rows[0]['compile_s']:.1f} s"
     print_table(rows, header, bandwidth, peak_tflops)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": name, "device": device.type, "dtype": str(dtype), "compile": compile,
+            json.dump({"model": name, "device": device.type, "dtype": str(dtype), "compile": step.mode,
                        "bandwidth_gb_s": bandwidth, "matmul_peak_tflop_s": peak_tflops, "results": rows}, f, indent=2)
 
 

@@ -1,195 +1,27 @@
 """The decode loops: prefill the prompt in one forward pass, then decode one token per step against a KV cache.
 
 Prefill processes T prompt tokens per weight read, so it is compute-bound; each decode step reads every weight to
-produce one token, so it is memory-bandwidth-bound. How a step runs (the CPU GEMV backend, torch.compile) is one
-policy, `make_step`, that every loop here, the speculative loop and the engine call. The loops share one rule for
-when generation ends (`end_reason`) and mark the last Token with it.
+produce one token, so it is memory-bandwidth-bound. How a forward runs (eager, or compiled) is step.Step, bound to
+its model: every loop here takes one (eager when none is given). The loops share one rule for when generation ends
+(`end_reason`) and mark the last Token with it.
 
 The loops run under torch.inference_mode (no autograd bookkeeping on any op), so the caches they make are inference
 tensors: write to one again only inside inference mode.
 
 Shape legend: B rows, T tokens fed, V vocab.
 """
-import sys
-import types
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from grammar import Grammar, Matcher, advance, mask_logits
 from kvcache import KVCache
-from model import DECODE_QUERIES, Block, Transformer
-from quantize import Int8Linear
+from model import Transformer
 from sample import SamplingParams, apply_penalties, sample, sampled_logprobs, token_counts
+from step import Step
 
 PAD_ID = 0  # feeds finished batch rows; its keys/values are never attended
-StepFn = Callable[..., torch.Tensor]  # (model, tokens (B, T), input_pos, cache, all_logits=False) -> logits
-
-
-def forward_logits(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
-                   all_logits: bool = False, run_block: Callable | None = None) -> torch.Tensor:
-    """tokens (B, T) at input_pos (T,) or (B, T) -> the logits after the last token (B, V), or after every token
-    (B, T, V). With T = 1 this is the decode step: fixed shapes, the function torch.compile compiles.
-    run_block: what runs each layer (Transformer.forward), None for the Block itself."""
-    logits = model(tokens, input_pos, cache, all_logits=all_logits, run_block=run_block)
-    return logits if all_logits else logits[:, -1]
-
-
-@contextmanager
-def gemv_backend(tokens: torch.Tensor):
-    """A one-row step multiplies one row by every weight matrix (a GEMV). On CPU, MKL streams bf16 weights about
-    twice as fast as oneDNN there, while oneDNN is the faster one for two rows or more, so it is off for one row."""
-    if tokens.device.type != "cpu" or tokens.numel() != 1:
-        yield
-        return
-    enabled = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = enabled
-
-
-def eager_step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
-               all_logits: bool = False) -> torch.Tensor:
-    """forward_logits with the matmul backend that suits the row count (gemv_backend)."""
-    with gemv_backend(tokens):
-        return forward_logits(model, tokens, input_pos, cache, all_logits)
-
-
-def own_code(fn: Callable) -> Callable:
-    """fn with a code object of its own. Dynamo keeps compiled graphs on the code object, so two copies never
-    share a graph (see compiled_step)."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
-def skip_module_guards(guards) -> list[bool]:
-    """Dynamo's guard filter for compiled_step: keep every guard except those on the model's modules. Dynamo checks
-    its guards before every call, and nearly all of them check that each module still has its attributes, types
-    and no hooks: a large part of a small model's CPU step (README, Benchmarks). A model does not change once built;
-    a new one gets its own graphs (own_code); the KV cache, the inputs and global state stay guarded."""
-    return [not g.orig_guard.source.is_unspecialized_nn_module() for g in guards]
-
-
-def compiled_step(model: Transformer, prefill: bool = False) -> StepFn:
-    """eager_step with the one-token step under torch.compile. On CPU, a C++ wrapper calls the kernels; on GPU,
-    CUDA graphs (mode "reduce-overhead") remove the per-kernel launch cost, and for int8 weights coordinate-descent
-    tuning makes Inductor write each GEMV as a fused reduction that casts the int8 weight in registers (cuBLAS's
-    GEMV stays the better one for bf16).
-    prefill: compile the multi-token forwards too, with the token count (and cache size) symbolic so that a new
-    prompt length does not recompile. Each model the step is called with (a speculative draft shares the target's
-    step) gets graphs of its own, which is what lets skip_module_guards drop the guards on its modules."""
-    # guard_filter_fn came with torch 2.8; before it, every guard is checked
-    guards = {"guard_filter_fn": skip_module_guards} if hasattr(torch.compiler, "skip_all_guards_unsafe") else {}
-    graphs = {}  # id(model) -> (model, its one-token forward, its multi-token forward)
-
-    def graphs_for(m: Transformer) -> tuple:
-        if id(m) not in graphs:  # the entry keeps the model, so its id is not reused
-            refuse_moe(m)
-            options, device = dict(guards), m.embed_tokens.weight.device.type
-            if device == "cpu":
-                # The code that calls the step's kernels in C++ instead of Python: less time per step, for a longer
-                # first compile (README, Benchmarks; Inductor's cache keeps it for later runs).
-                options["cpp_wrapper"] = True
-            if device == "cuda":
-                int8 = any(isinstance(x, Int8Linear) for x in m.modules())
-                options.update({"triton.cudagraphs": True, "coordinate_descent_tuning": int8})
-            one = torch.compile(own_code(forward_logits), fullgraph=True, options=options)
-            many = torch.compile(own_code(forward_logits), fullgraph=True, dynamic=True, options=guards) \
-                if prefill else forward_logits
-            graphs[id(m)] = m, one, many
-        return graphs[id(m)]
-
-    graphs_for(model)  # torch.compile is lazy: this only checks that the model can be compiled
-
-    def step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
-             all_logits: bool = False) -> torch.Tensor:
-        _, one, many = graphs_for(model)
-        try:
-            if tokens.shape[1] > 1:
-                return many(model, tokens, input_pos, cache, all_logits)
-            with gemv_backend(tokens):  # read at run time by the matmuls the compiled code calls
-                return one(model, tokens, input_pos, cache, all_logits)
-        except torch._dynamo.exc.TorchDynamoException as e:  # compiling failed: say so in one line
-            raise ValueError(f"{compile_failure(e)}; run with --compile none") from None
-
-    return step
-
-
-def block_step(model: Transformer, fallback: bool = False) -> StepFn:
-    """eager_step, with each one-token step running its layers through one compiled Block.forward. The layers share
-    their code and shapes, so one graph serves all of them (and Inductor's on-disk cache keeps it for later
-    processes): it compiles in a few seconds where the whole step (compiled_step) takes about a minute, and it
-    removes most of the eager step's per-op dispatch, keeping the embedding, the final norm and the head eager
-    (README, Benchmarks). Prefills run eager. fallback: if compiling fails (no C++ compiler, say), print one warning
-    and go on eagerly (the default, "auto"); else raise a one-line ValueError (--compile blocks)."""
-    refuse_moe(model)
-    options = {"cpp_wrapper": True} if model.embed_tokens.weight.device.type == "cpu" else {}
-    # Dynamo keeps its graphs on Block.forward's code, guarded on the module types (those guards stay here),
-    # so layers of the same structure, of any model, share one graph and other structures get their own.
-    compiled_block = torch.compile(Block.forward, fullgraph=True, options=options)
-    failed = False
-
-    def step(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
-             all_logits: bool = False) -> torch.Tensor:
-        nonlocal failed
-        # A verify (every position's logits, a few tokens) runs the compiled block too, so that each of its rows
-        # is the decode step's row bitwise (greedy speculative == plain greedy); a new token count compiles once
-        # more, then the count is symbolic. Prefills run eager.
-        verify = all_logits and tokens.shape[1] <= DECODE_QUERIES
-        if (tokens.shape[1] > 1 and not verify) or failed:
-            return eager_step(model, tokens, input_pos, cache, all_logits)
-        try:
-            with gemv_backend(tokens):
-                return forward_logits(model, tokens, input_pos, cache, all_logits, run_block=compiled_block)
-        except torch._dynamo.exc.TorchDynamoException as e:
-            if not fallback:
-                raise ValueError(f"{compile_failure(e)}; run with --compile none") from None
-            print(f"warning: {compile_failure(e)}; decoding without it", file=sys.stderr)
-            failed = True
-            return eager_step(model, tokens, input_pos, cache, all_logits)
-
-    return step
-
-
-def refuse_moe(model: Transformer) -> None:
-    if model.args.n_experts is not None:
-        # Which experts run depends on the router's output, and each expert is its own module (so quantization and
-        # tensor parallelism treat it as a dense MLP): a graph cannot pick a module by a computed index.
-        raise ValueError("--compile does not support mixture-of-experts models (Mixtral); run with --compile none")
-
-
-def compile_failure(e: Exception) -> str:
-    """A torch.compile error in one line."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"torch.compile failed ({type(e).__name__}: {first[:200]})"
-
-
-COMPILE_MODES = ("auto", "none", "blocks", "full")
-COMPILE_HELP = ("none: eager; blocks: one compiled graph for every layer's decode step (seconds to compile); "
-                "full: the whole decode step as one graph (about a minute to compile on CPU, fastest); auto "
-                "(default): blocks on CPU for a dense model in one process, else none")
-
-
-def auto_compile(model: Transformer) -> str:
-    """What "auto" compiles: "blocks" on CPU, where the eager step is dominated by per-op dispatch, for a dense
-    model in one process; "none" on CUDA, for Mixtral (no compile) and under tensor parallelism (tp.py)."""
-    dense = model.args.n_experts is None and all(block.all_reduce is None for block in model.layers)
-    return "blocks" if model.embed_tokens.weight.device.type == "cpu" and dense else "none"
-
-
-def make_step(model: Transformer, compile: str = "none", compile_prefill: bool = False) -> StepFn:
-    """The decode-step policy every generation path uses. compile is one of COMPILE_MODES: "none" eager_step,
-    "blocks" block_step, "full" compiled_step (compile_prefill: the prefills too), "auto" auto_compile's choice
-    (blocks falls back to eager if compiling fails)."""
-    if compile not in COMPILE_MODES:
-        raise ValueError(f"unknown compile mode {compile!r}; choose from {', '.join(COMPILE_MODES)}")
-    if compile_prefill or compile == "full":
-        return compiled_step(model, compile_prefill)
-    mode = auto_compile(model) if compile == "auto" else compile
-    return block_step(model, fallback=compile == "auto") if mode == "blocks" else eager_step
 
 
 def new_cache(model: Transformer, batch_size: int, max_seq_len: int, kv_dtype: str = "model") -> KVCache:
@@ -231,6 +63,14 @@ def check_request(prompt: list[int], max_new_tokens: int, max_seq: int, what: st
         raise ValueError(f"the prompt is {len(prompt)} tokens, longer than {what} of {max_seq - 1}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def check_step(step: Step | None, model: Transformer) -> Step:
+    """The step a loop runs: the one given, which must be bound to the loop's model, or an eager one."""
+    if step is None:
+        return Step(model)
+    assert step.model is model, "a Step runs the model it was made for"
+    return step
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -324,7 +164,7 @@ def generate(
     params: SamplingParams = SamplingParams(),
     generator: torch.Generator | None = None,
     stop_ids: Sequence[int] = (),
-    step: StepFn = eager_step,
+    step: Step | None = None,
     logprobs: int | None = None,
     session: Session | None = None,
     kv_dtype: str = "model",
@@ -345,11 +185,12 @@ def generate(
         # Slots past the reused prefix are stale; each is rewritten before any query at or after it reads it.
         start = session.reusable(prompt)
     device = model.embed_tokens.weight.device
+    step = check_step(step, model)
     seen, generated = penalty_state(params, [prompt], model)
     matcher = None if grammar is None else grammar.matcher()
 
     tokens = torch.tensor([prompt[start:]], device=device)  # (1, T)
-    logits = step(model, tokens, torch.arange(start, len(prompt), device=device), cache)  # prefill: (1, V)
+    logits = step(tokens, torch.arange(start, len(prompt), device=device), cache)  # prefill: (1, V)
     if session is not None:
         session.tokens = list(prompt)
     pos = len(prompt)  # where the next sampled token is fed
@@ -360,7 +201,7 @@ def generate(
         yield out
         if out.end:
             return
-        logits = step(model, token.view(1, 1), torch.tensor([pos], device=device), cache)
+        logits = step(token.view(1, 1), torch.tensor([pos], device=device), cache)
         if session is not None:
             session.tokens.append(out.id)
         pos += 1
@@ -374,7 +215,7 @@ def generate_batch(
     params: SamplingParams = SamplingParams(),
     generator: torch.Generator | None = None,
     stop_ids: Sequence[int] = (),
-    step: StepFn = eager_step,
+    step: Step | None = None,
     logprobs: int | None = None,
     kv_dtype: str = "model",
     grammar: Grammar | None = None,
@@ -387,6 +228,7 @@ def generate_batch(
     for prompt in prompts:
         check_request(prompt, max_new_tokens, context)
     device = model.embed_tokens.weight.device
+    step = check_step(step, model)
     B, lengths = len(prompts), [len(p) for p in prompts]
     limits = [min(n + max_new_tokens, context) for n in lengths]  # each row's max_seq when run alone
     cache = new_cache(model, B, max(limits), kv_dtype)
@@ -401,7 +243,7 @@ def generate_batch(
     for b, prompt in enumerate(prompts):
         alone = new_cache(model, 1, limits[b], kv_dtype)
         n = len(prompt)
-        last.append(step(model, torch.tensor([prompt], device=device), torch.arange(n, device=device), alone))  # (1, V)
+        last.append(step(torch.tensor([prompt], device=device), torch.arange(n, device=device), alone))  # (1, V)
         for row_layer, batch_layer in zip(alone.layers, cache.layers):
             for a, c in zip(row_layer.buffers(), batch_layer.buffers()):
                 c[b, :, :n] = a[0, :, :n]  # (K, n, D or 1)
@@ -422,5 +264,5 @@ def generate_batch(
         # Rows that ended are fed a pad token at position 0: their cache is never read again.
         ended = torch.tensor(done, device=device)
         feed = tokens.masked_fill(ended, PAD_ID)[:, None]  # (B, 1)
-        logits = step(model, feed, pos.masked_fill(ended, 0)[:, None], cache)  # (B, V)
+        logits = step(feed, pos.masked_fill(ended, 0)[:, None], cache)  # (B, V)
         pos += 1

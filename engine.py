@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode import StepFn, Token, check_request, eager_step, end_reason, penalty_state, sample_tokens
+from decode import Token, check_request, check_step, end_reason, penalty_state, sample_tokens
 from grammar import Grammar, Matcher
 from kvcache import BlockPool, PagedKVCache
 from model import Transformer
 from sample import SamplingParams
+from step import Step
 from text import Completion, TextStream, finish_reason, push_token
 
 
@@ -161,12 +162,12 @@ def chain_hash(previous: int, tokens: tuple[int, ...]) -> int:
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer, config: EngineConfig = EngineConfig(),
-                 step: StepFn = eager_step):
+                 step: Step | None = None):
         if config.token_budget < config.max_running:
             raise ValueError(f"token_budget ({config.token_budget}) must be >= max_running ({config.max_running}): "
                              "every running sequence decodes one token per step")
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.decode_step = step  # decode.make_step's policy
+        self.decode_step = check_step(step, model)  # eager, or compiled (step.Step)
         weight = model.embed_tokens.weight
         self.device = weight.device
         self.pool = BlockPool.for_model(model.args, config.num_blocks, config.block_size, weight.dtype, self.device)
@@ -345,7 +346,7 @@ class Engine:
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)  # (B, 1)
         pos = torch.tensor([[s.n_computed] for s in seqs], device=self.device)  # (B, 1) per-row positions
         try:
-            logits = self.decode_step(self.model, tokens, pos, PagedKVCache(self.pool, self._tables(seqs)))  # (B, V)
+            logits = self.decode_step(tokens, pos, PagedKVCache(self.pool, self._tables(seqs)))  # (B, V)
         except Exception as e:  # the batch's rows cannot be told apart: they fail, the engine serves on
             for seq in seqs:
                 self._fail(seq, e)
@@ -359,7 +360,7 @@ class Engine:
         tokens = torch.tensor([seq.tokens[start:start + n]], device=self.device)  # (1, n)
         pos = torch.arange(start, start + n, device=self.device)
         try:
-            logits = self.decode_step(self.model, tokens, pos, PagedKVCache(self.pool, self._tables([seq])))  # (1, V)
+            logits = self.decode_step(tokens, pos, PagedKVCache(self.pool, self._tables([seq])))  # (1, V)
         except Exception as e:
             self._fail(seq, e)
             return

@@ -29,12 +29,13 @@ if __name__ == "__main__":
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 
 import tp
 from cli import DTYPES, FALLBACK_MODEL, check_seed, check_text, default_model, pick_device, pick_dtype, run_cli
-from decode import COMPILE_HELP, COMPILE_MODES, Session, auto_compile, generate, generate_batch, make_step
+from decode import Session, generate, generate_batch
 from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
 from load import load_model, resolve_model_path
 from model import Transformer
@@ -42,6 +43,7 @@ from quantize import describe, parse_mode, quantization_of, weight_bytes
 from sample import SamplingParams
 import speculative
 from speculative import ModelDraft, PromptLookupDraft, SpecStats
+from step import COMPILE_HELP, COMPILE_MODES, Step
 from text import Completion, check_stop, complete, complete_batch, completion_json
 from tokenizer import load_tokenizer
 
@@ -210,12 +212,12 @@ def check_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def make_draft(args: argparse.Namespace, model: Transformer, path: str, device: torch.device, dtype: torch.dtype,
-               step, progress: bool) -> ModelDraft | PromptLookupDraft:
+               progress: bool) -> ModelDraft | PromptLookupDraft:
     """The draft the flags ask for: prompt lookup, --draft-model, or the target loaded again quantized."""
     if args.prompt_lookup:
         return PromptLookupDraft()
     draft, _ = load_model(args.draft_model or path, device, dtype, progress=progress, quantize=args.draft_quantize)
-    return ModelDraft(draft.eval(), model, step)
+    return ModelDraft(draft.eval(), model, Step(draft, args.compile, args.compile_prefill))  # run as the target is
 
 
 def run(args: argparse.Namespace) -> None:
@@ -248,12 +250,8 @@ def run(args: argparse.Namespace) -> None:
     generator.manual_seed(seed if shard is None else tp.same_seed(seed, device))
     if shard is not None:
         tp.install(model)
-    step = make_step(model, args.compile, args.compile_prefill)
-    compiled = compile_mode(args, model)
-    setup = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
-    setup += f" | compiled: {compiled}" if compiled != "none" else " | eager"
-    setup += "" if args.compile != "auto" or args.compile_prefill else " (auto)"
-    setup += " (+prefill)" if args.compile_prefill else ""
+    step = Step(model, args.compile, args.compile_prefill)
+    setup = ""  # what the summary line says after the speed: device and dtype, what ran (setup_line), the weights
     if shard is not None:
         setup += f" | tensor parallel x{shard.world} (this rank's weights)"
     setup += quantization_summary(model, args.kv_cache_dtype)
@@ -261,9 +259,15 @@ def run(args: argparse.Namespace) -> None:
     grammar = None if constraint is None else Compiler(tokenizer, model.args.vocab_size).compile(constraint)
     if grammar is not None:
         setup += f" | {constraint.kind.replace('_', ' ')}"
+    where = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
+
+    def setup_line() -> str:
+        """Read when the summary is printed: the step's mode is then what ran (eager after a failed compile)."""
+        return f"{where} | {step_label(step, args)}{setup}"
+
 
     if args.interactive:
-        chat(args, model, tokenizer, params, generator, step, setup, system, grammar)
+        chat(args, model, tokenizer, params, generator, step, setup_line, system, grammar)
     elif args.prompts_file:
         n_new = new_tokens(args.max_new_tokens, max(map(len, prompts)), model.args.max_seq_len)
         rows = generate_batch(model, prompts, n_new, params, generator, tokenizer.eos_ids, step,
@@ -282,13 +286,13 @@ def run(args: argparse.Namespace) -> None:
                 else float("nan")
             print(f"prompts {len(completions)} | prompt tokens {sum(c.prompt_tokens for c in completions)} | "
                   f"generated tokens {n_new} | TTFT {first.ttft_s * 1000:.0f} ms | decode {decode_tps:.1f} tokens/s "
-                  f"(all rows) | {setup}", file=sys.stderr)
+                  f"(all rows) | {setup_line()}", file=sys.stderr)
     else:
         on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
         prompt, stats = prompts[0], None
         n_new = new_tokens(args.max_new_tokens, len(prompt), model.args.max_seq_len)
         if speculating(args):  # the same tokens and distribution, up to --speculate-k tokens per target forward
-            draft = make_draft(args, model, path, device, dtype, step, progress)
+            draft = make_draft(args, model, path, device, dtype, progress)
             stats = SpecStats(args.speculate_k)
             tokens = speculative.generate(model, draft, prompt, n_new, params, generator,
                                           tokenizer.eos_ids, args.speculate_k, stats, step)
@@ -300,7 +304,7 @@ def run(args: argparse.Namespace) -> None:
         if not args.json:
             print_logprobs(c, tokenizer, args.logprobs)
         if not args.quiet:
-            print(f"{summary(c, compiled != 'none')} | {setup}", file=sys.stderr)
+            print(f"{summary(c, step.mode != 'none')} | {setup_line()}", file=sys.stderr)
             if stats is not None:
                 print(stats.report(), file=sys.stderr)
 
@@ -329,11 +333,13 @@ def new_tokens(asked: int | None, prompt_tokens: int, context: int) -> int:
     return asked
 
 
-def compile_mode(args: argparse.Namespace, model: Transformer) -> str:
-    """What the step compiles: "none", "blocks" or "full" ("auto" resolved; --compile-prefill is full)."""
-    if args.compile_prefill:
-        return "full"
-    return auto_compile(model) if args.compile == "auto" else args.compile
+def step_label(step: Step, args: argparse.Namespace) -> str:
+    """What ran, for the summary line, read from the step after the run: 'compiled: blocks (auto)', 'eager', or
+    'eager (compile failed)' when auto's compile fell back."""
+    if step.mode == "none":
+        return "eager (compile failed)" if step.failed else "eager"
+    return f"compiled: {step.mode}" + (" (+prefill)" if args.compile_prefill else
+                                        " (auto)" if args.compile == "auto" else "")
 
 
 def quantization_summary(model: Transformer, kv_dtype: str) -> str:
@@ -388,7 +394,8 @@ def print_logprobs(c: Completion, tokenizer, n: int | None) -> None:
 
 
 def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: SamplingParams,
-         generator: torch.Generator, step, setup: str, messages: list[dict], grammar: Grammar | None = None) -> None:
+         generator: torch.Generator, step: Step, setup_line: Callable[[], str], messages: list[dict],
+         grammar: Grammar | None = None) -> None:
     """The --interactive REPL: user turns from stdin, replies streamed to stdout; one Session (KV cache) for all.
     With a grammar, every reply follows it (a new matcher per turn)."""
     session = Session(model, kv_dtype=args.kv_cache_dtype)
@@ -412,7 +419,7 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
         if not args.json:
             print_logprobs(c, tokenizer, args.logprobs)
         if not args.quiet:
-            print(f"turn {n} | {summary(c, compile_mode(args, model) != 'none' and n == 1)} | {setup}", file=sys.stderr)
+            print(f"turn {n} | {summary(c, step.mode != 'none' and n == 1)} | {setup_line()}", file=sys.stderr)
         messages.append({"role": "assistant", "content": c.text})
         turn = None
 

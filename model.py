@@ -289,7 +289,7 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Mixtral's sparse mixture of experts: each token runs through k of the E SwiGLU experts, weighted by the
     router. The experts are plain MLPs (one module each), so quantization and tensor parallelism treat them as
-    they treat the dense MLP. Expert selection depends on the data: no torch.compile (decode.compiled_step)."""
+    they treat the dense MLP. Expert selection depends on the data: no torch.compile (step.Step)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -366,7 +366,7 @@ class Transformer(nn.Module):
         different lengths). With a cache, keys/values are written to it at input_pos and attention covers
         every cached position; without one, only these T tokens.
         run_block(block, x, input_pos, cos, sin, mask, layer_cache) runs each layer instead of the Block's own
-        forward: decode.block_step passes Block.forward compiled.
+        forward: step.Step passes Block.forward compiled.
         Returns float32 logits (B, T, V), or (B, 1, V) for the last position unless all_logits."""
         x = self.embed_tokens(tokens)  # (B, T, C)
         # computed in float32, rounded to the activations' dtype once for every layer (as transformers does)

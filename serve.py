@@ -66,6 +66,7 @@ from cli import DTYPES, default_model, pick_device, pick_dtype, run_cli
 from engine import Engine, EngineConfig, Event, QueueFull, Request
 from grammar import Compiler, Constraint, Grammar
 from sample import SamplingParams
+from step import COMPILE_HELP, COMPILE_MODES, Step
 from text import check_stop
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
@@ -1020,6 +1021,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "else float32, as generate.py)")
     p.add_argument("--quantize", default=None, metavar="MODE",
                    help="weight-only quantization while loading: int8, int4 or int4:GROUP (as generate.py)")
+    p.add_argument("--compile", nargs="?", const="full", default="none", choices=COMPILE_MODES,
+                   help="how the engine's decode steps run, as generate.py --compile (default none here: a compiled "
+                   "block measured no faster in the engine, and each new batch shape compiles during a request; "
+                   f"see README). {COMPILE_HELP}")
     p.add_argument("--block-size", type=int, default=defaults.block_size, help="positions per KV block")
     p.add_argument("--num-blocks", type=num_blocks_arg, default="auto",
                    help="KV blocks in the pool, block 0 (padding) included (default auto: one sequence of the "
@@ -1109,6 +1114,11 @@ def served_name(model: str) -> str:
     return os.path.basename(os.path.normpath(model)) if os.path.exists(model) else model
 
 
+def make_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
+    """The engine serve.py runs: the flags' pool and limits, and its forwards as --compile says (step.Step)."""
+    return Engine(model, tokenizer, engine_config(args, model.args.max_seq_len), Step(model, args.compile))
+
+
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -1124,8 +1134,8 @@ def run(args: argparse.Namespace) -> None:
     model, path = load_model(model_path, device, dtype, progress=not args.quiet and sys.stderr.isatty(),
                              quantize=args.quantize)
     tokenizer = load_tokenizer(path)
-    config = engine_config(args, model.args.max_seq_len)
-    engine = Engine(model, tokenizer, config)
+    engine = make_engine(args, model, tokenizer)
+    config = engine.config
     serving = serve_config(args)
     app = make_app(engine, tokenizer, served_name(model_path), engine_thread=False, config=serving)
     server = app.state.server
@@ -1146,7 +1156,8 @@ def run(args: argparse.Namespace) -> None:
     if not args.quiet:
         print(f"serving {served_name(model_path)} on http://{args.host}:{args.port} | {device.type} "
               f"{str(dtype).removeprefix('torch.')} ({dtype_why}) | API key {'required' if args.api_key else 'off'} "
-              f"| {config}", file=sys.stderr)
+              f"| {config} | {'eager' if engine.decode_step.mode == 'none' else 'compiled: ' + engine.decode_step.mode}",
+              file=sys.stderr)
     # The engine steps on the main thread and uvicorn serves from another: here, torch's OpenMP-parallel ops
     # ran several times slower when called from a thread other than the main one (README, Serving).
     try:

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode import StepFn, Token, check_request, common_prefix, eager_step, end_reason, new_cache
+from decode import Token, check_request, check_step, common_prefix, end_reason, new_cache
 from model import Transformer
 from sample import SamplingParams, logits_to_probs, sample
+from step import Step
 
 
 def verify(p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor,
@@ -55,11 +56,11 @@ class ModelDraft:
     """A draft model with its own KV cache: a smaller model sharing the target's tokenizer, or the target
     re-loaded quantized (self-draft). It samples k tokens autoregressively and returns their q rows."""
 
-    def __init__(self, model: Transformer, target: Transformer, step: StepFn = eager_step):
+    def __init__(self, model: Transformer, target: Transformer, step: Step | None = None):
         if model.args.vocab_size != target.args.vocab_size:
             raise ValueError(f"draft model vocab_size {model.args.vocab_size} != target vocab_size "
                              f"{target.args.vocab_size}; the draft must share the target's tokenizer")
-        self.model, self.step = model, step
+        self.model, self.step = model, check_step(step, model)
         self.cache = None
         self.cached: list[int] = []  # tokens whose keys/values the cache holds, at positions 0..len-1
         self.forwards = 0  # draft forward passes, for the cost ratio c
@@ -77,7 +78,7 @@ class ModelDraft:
         n = common_prefix(self.cached, context)
         del self.cached[n:]
         feed = torch.tensor([context[n:]], device=device)  # (1, T): the prompt at first, then 1-2 new tokens
-        logits = self.step(self.model, feed, torch.arange(n, len(context), device=device), self.cache)  # (1, V)
+        logits = self.step(feed, torch.arange(n, len(context), device=device), self.cache)  # (1, V)
         self.cached.extend(context[n:])
         tokens, qs = [], []
         for i in range(k):
@@ -90,7 +91,7 @@ class ModelDraft:
             tokens.append(x.item())
             if i == k - 1:
                 break  # the last draft is fed with the next verify's tokens, if it is accepted
-            logits = self.step(self.model, x.view(1, 1), torch.tensor([len(context) + i], device=device), self.cache)
+            logits = self.step(x.view(1, 1), torch.tensor([len(context) + i], device=device), self.cache)
             self.cached.append(tokens[-1])
         return tokens, torch.stack(qs) if qs else None
 
@@ -180,7 +181,7 @@ def generate(
     stop_ids: Sequence[int] = (),
     k: int = 4,
     stats: SpecStats | None = None,
-    step: StepFn = eager_step,
+    step: Step | None = None,
 ) -> Iterator[Token]:
     """Yield Tokens as decode.generate does (the same end rule, the same distribution; greedy output is
     token-identical), drafting up to k tokens per target forward."""
@@ -195,11 +196,12 @@ def generate(
     limit = min(max_new_tokens, max_seq - len(prompt) + 1)  # tokens to generate
     stats = stats if stats is not None else SpecStats(k)
     device = model.embed_tokens.weight.device
+    step = check_step(step, model)
     cache = new_cache(model, 1, max_seq)
     draft.start(max_seq)
     greedy = params.temperature == 0
 
-    logits = step(model, torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device), cache)
+    logits = step(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device), cache)
     first = Token(sample(logits, params, generator).item())
     tokens = list(prompt) + [first.id]
     first.end = end_reason(first.id, 1, len(tokens), max_new_tokens, max_seq, stop_ids)
@@ -217,7 +219,7 @@ def generate(
         # One target forward over the last token and the drafts: row i is p after tokens + drafts[:i].
         fed = torch.tensor([[tokens[-1]] + drafts], device=device)  # (1, k'+1)
         positions = torch.arange(pos, pos + kd + 1, device=device)
-        logits = step(model, fed, positions, cache, all_logits=True)  # (1, k'+1, V)
+        logits = step(fed, positions, cache, all_logits=True)  # (1, k'+1, V)
         draft_t = torch.tensor([drafts], dtype=torch.long, device=device)  # (1, k')
         if greedy:
             n, nxt = verify_greedy(logits.argmax(dim=-1), draft_t)

@@ -14,9 +14,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import speculative  # noqa: E402
 from cli import default_model, pick_dtype  # noqa: E402
-from decode import generate, generate_batch, make_step  # noqa: E402
+from decode import generate, generate_batch  # noqa: E402
 from load import load_model  # noqa: E402
 from sample import SamplingParams  # noqa: E402
+from step import Step  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def main(n_tokens: int, texts: list[str]) -> dict:
     model, path = load_model(default_model(), device, dtype)
     draft_model, _ = load_model(path, device, dtype, quantize="int4:32")
     tokenizer = load_tokenizer(path)
-    step = make_step(model, "auto")
+    step, draft_step = Step(model, "auto"), Step(draft_model, "auto")
     greedy, eos = SamplingParams(temperature=0), tokenizer.eos_ids
     prompts = [tokenizer.encode(t) for t in texts]
     runs = []
@@ -34,7 +35,7 @@ def main(n_tokens: int, texts: list[str]) -> dict:
         run = {"plain": [t.id for t in generate(model, prompt, n_tokens, greedy, stop_ids=eos, step=step)]}
         for k in (2, 4):
             for name, draft in (("lookup", speculative.PromptLookupDraft()),
-                                ("self-draft", speculative.ModelDraft(draft_model, model, step))):
+                                ("self-draft", speculative.ModelDraft(draft_model, model, draft_step))):
                 tokens = speculative.generate(model, draft, prompt, n_tokens, greedy, stop_ids=eos, k=k, step=step)
                 run[f"{name} k={k}"] = [t.id for t in tokens]
         runs.append(run)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import quantize as q
-from decode import compiled_step, eager_step
+from step import Step
 from kvcache import KVCache
 from tiny_models import greedy_ids
 
@@ -75,14 +75,15 @@ def test_cuda_logits_match_cpu(models):
     assert (got.cpu() - ref).abs().max() <= 1e-4
 
 
-def forced_logits(model, step, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+def forced_logits(step: Step, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """Prefill prompt, then feed `tokens` one decode step at a time: the logits (1 + len(tokens), V). Teacher
     forcing keeps two runs on the same inputs even where a near-tie would flip a greedy choice. Each step's
     output is cloned: a CUDA graph replay reuses its output buffer."""
+    model = step.model
     cache = KVCache.for_model(model.args, 1, len(prompt) + len(tokens), model.embed_tokens.weight.dtype, CUDA)
     out = [model(torch.tensor([prompt], device=CUDA), torch.arange(len(prompt), device=CUDA), cache)[:, -1]]
     for pos, token in enumerate(tokens, start=len(prompt)):
-        out.append(step(model, torch.tensor([[token]], device=CUDA), torch.tensor([pos], device=CUDA), cache).clone())
+        out.append(step(torch.tensor([[token]], device=CUDA), torch.tensor([pos], device=CUDA), cache).clone())
     return torch.cat(out)
 
 
@@ -96,13 +97,13 @@ def test_cuda_graph_decode_matches_eager_without_recompiling(models, mode):
     if mode is not None:
         model = q.quantize_model(copy.deepcopy(model).to(torch.bfloat16), mode)
     torch._dynamo.reset()
-    compiled = compiled_step(model)
+    compiled = Step(model, "full")
     for i, prompt in enumerate([[7, 8, 9, 10], [11, 12, 13, 14]]):
         tokens = greedy_ids(model, prompt, 31)
-        eager = forced_logits(model, eager_step, prompt, tokens)
+        eager = forced_logits(Step(model), prompt, tokens)
         tolerance = 1e-4 if mode is None else 2e-2 * eager.abs().max().item()
         with torch._dynamo.config.patch(error_on_recompile=i > 0):  # the second prompt: no recompiling
-            got = forced_logits(model, compiled, prompt, tokens)
+            got = forced_logits(compiled, prompt, tokens)
         assert (got - eager).abs().max() <= tolerance
 
 

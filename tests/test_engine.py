@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import engine as engine_module
-from decode import eager_step
+from step import Step
 from engine import Engine, EngineConfig, QueueFull, Request
 from helpers import ROOT, ToyTokenizer
 from sample import SamplingParams
@@ -94,13 +94,16 @@ def test_sampled_requests_match_generate_with_the_same_seed(model):
 
 
 def test_engine_runs_the_step_it_is_given(model):
-    """The engine's forwards go through its decode-step policy (decode.make_step's), prefill chunks and batched
-    decodes alike."""
+    """The engine's forwards go through the step it is given (step.Step), prefill chunks and batched decodes
+    alike."""
     shapes = []
 
-    def step(model, tokens, input_pos, cache, all_logits=False):
-        shapes.append(tuple(tokens.shape))
-        return eager_step(model, tokens, input_pos, cache, all_logits)
+    class Recording(Step):
+        def __call__(self, tokens, input_pos, cache, all_logits=False):
+            shapes.append(tuple(tokens.shape))
+            return super().__call__(tokens, input_pos, cache, all_logits)
+
+    step = Recording(model)
 
     prompts = random_prompts([5, 11], seed=4)
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60), step=step)

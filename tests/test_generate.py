@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import generate
 from decode import Token
@@ -409,6 +410,28 @@ def test_readme_command_with_the_default_model(capability, monkeypatch):
                   f"cpu {str(dtype).removeprefix('torch.')} ({why})"):
         assert field in summary
     assert re.search(r"weights [0-9.]+ MB int4:32 \(\+head int8:32\)$", summary), summary  # in float32 too
+
+
+def test_a_failed_compile_is_reported_as_eager(capsys, monkeypatch, tiny_text_dir):
+    """With auto, a compile that fails (no C++ compiler) falls back to eager: the summary line then says so, instead
+    of naming the compiled blocks and labelling an eager step as the compile."""
+    import torch._dynamo.exc
+
+    def broken_compile(fn, **kwargs):
+        def fail(*args, **kwargs):
+            raise torch._dynamo.exc.BackendCompilerFailed("inductor", RuntimeError("CppCompileError: no g++"), None)
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    assert generate.main(["--model", tiny_text_dir, "--prompt", "hi", "--max-new-tokens", "4", "--temperature", "0",
+                          "--dtype", "float32"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("warning: torch.compile failed") and len(err) == 2
+    assert "| eager (compile failed) |" in err[-1]
+    assert "compiled:" not in err[-1] and "first decode step (compile)" not in err[-1]
+    assert generate.main(["--model", tiny_text_dir, "--prompt", "hi", "--max-new-tokens", "4", "--compile", "none",
+                          "--dtype", "float32"]) == 0
+    assert "| eager |" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_compile_flag_modes():

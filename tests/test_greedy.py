@@ -2,7 +2,6 @@
 `auto` picks) gives the same tokens decoded one row at a time, verified speculatively and batched, on both CPU
 classes (AVX-512 natively where the machine has it; AVX2 forced with ATEN_CPU_CAPABILITY)."""
 import json
-import os
 
 import pytest
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 import quantize as q
-from decode import make_step
+from step import Step
 from engine import Engine, EngineConfig
 from helpers import ToyTokenizer
 from kvcache import KVCache
@@ -281,7 +281,7 @@ def test_speculative_greedy_matches_plain_greedy(ours):
 
 def test_compile_refused_in_one_line(ours):
     with pytest.raises(ValueError, match=r"^--compile does not support mixture-of-experts models \(Mixtral\)"):
-        make_step(ours, compile="full")
+        Step(ours, "full")
 
 
 # ---- tensor parallel ----

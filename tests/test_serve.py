@@ -490,6 +490,28 @@ def test_default_pool_holds_the_whole_context(server):
     assert engine_config(parse_args(["--num-blocks", "40"]), 8192).num_blocks == 40
 
 
+@pytest.mark.slow
+def test_the_servers_engine_runs_the_compiled_step(tiny):
+    """serve.py used to build its engine without a step, so --compile could not reach the server. Now it does:
+    with --compile blocks (or auto, on CPU) the engine decodes through the compiled block, a request's decode steps
+    compile a graph, and the tokens stay eager's; the default is eager, as measured (README, Serving)."""
+    import torch._dynamo
+
+    from helpers import ToyTokenizer
+    from serve import make_engine
+    from tiny_models import greedy_ids
+
+    assert make_engine(parse_args([]), tiny, ToyTokenizer()).decode_step.mode == "none"
+    assert make_engine(parse_args(["--compile", "auto"]), tiny, ToyTokenizer()).decode_step.mode == "blocks"
+    engine = make_engine(parse_args(["--compile", "blocks"]), tiny, ToyTokenizer())
+    assert engine.decode_step.mode == "blocks" and engine.decode_step.model is tiny
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    prompts = [[5, 17, 42], [7, 8, 9, 10, 11]]
+    assert [c.tokens for c in engine.generate(prompts, max_tokens=6)] == [greedy_ids(tiny, p, 6) for p in prompts]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # a compiled graph ran the decode steps
+
+
 def test_port_in_use_is_one_line(server):
     port = server.rsplit(":", 1)[1]
     r = subprocess.run([sys.executable, "serve.py", "--port", port], cwd=ROOT, capture_output=True, text=True,

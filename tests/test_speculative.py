@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import speculative
-from decode import eager_step, make_step
+from step import Step
 from helpers import ROOT
 from model import ModelArgs, Transformer
 from quantize import quantize_model
@@ -106,11 +106,13 @@ def spec_ids(target, draft, prompt, n, params=SamplingParams(), generator=None, 
     return [t.id for t in speculative.generate(target, draft, prompt, n, params, generator, **kw)]
 
 
-def tiny_drafts(target, step=eager_step):
-    """Every draft source, on the tiny target: another random model, the target quantized, prompt lookup."""
+def tiny_drafts(target, mode: str = "none"):
+    """Every draft source, on the tiny target: another random model, the target quantized, prompt lookup; the
+    models' forwards run as `mode` says (step.Step)."""
+    other, int4 = hf_to_ours(make_hf("llama-gqa", seed=1)), quantize_model(copy.deepcopy(target), "int4:32")
     return {
-        "other-seed": ModelDraft(hf_to_ours(make_hf("llama-gqa", seed=1)), target, step),
-        "int4-self": ModelDraft(quantize_model(copy.deepcopy(target), "int4:32"), target, step),
+        "other-seed": ModelDraft(other, target, Step(other, mode)),
+        "int4-self": ModelDraft(int4, target, Step(int4, mode)),
         "lookup": PromptLookupDraft(),
     }
 
@@ -135,10 +137,10 @@ def test_compiled_greedy_matches_plain_greedy_tiny(tiny):
     import torch._dynamo
 
     torch._dynamo.reset()
-    step = make_step(tiny, compile="full")
+    step = Step(tiny, "full")
     prompt = [5, 17, 42, 99, 3, 5, 17, 42, 7]
     want = greedy_ids(tiny, prompt, 32)
-    for name, draft in tiny_drafts(tiny, step).items():
+    for name, draft in tiny_drafts(tiny, "full").items():
         stats = SpecStats(4)
         assert spec_ids(tiny, draft, prompt, 32, k=4, stats=stats, step=step) == want, name
         assert len(stats.rounds) < 32, name  # drafts were accepted: verifies of several tokens were compiled too

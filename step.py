@@ -1,0 +1,152 @@
+"""How a model's forwards run: the one policy every loop calls (decode.generate and generate_batch, the speculative
+loop and its draft, the engine, bench.py). `Step(model, mode)` is bound to its model and called as
+`step(tokens, input_pos, cache, all_logits=False) -> logits`; `step.mode` is what runs ("none", "blocks" or
+"full"), "auto" resolved, and "none" again once a compile that was allowed to fail has failed: every report of
+what ran (generate.py's summary line, the server's log, bench.py) reads it.
+
+Prefill is compute-bound and runs eager; a decode step reads every weight for one token, so on CPU its time goes
+to per-op dispatch as much as to bandwidth, which compiling removes (README, Benchmarks).
+
+Shape legend: B rows, T tokens fed, V vocab.
+"""
+import sys
+import types
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+from kvcache import KVCache
+from model import DECODE_QUERIES, Block, Transformer
+from quantize import Int8Linear
+
+COMPILE_MODES = ("auto", "none", "blocks", "full")
+COMPILE_HELP = ("none: eager; blocks: one compiled graph for every layer's decode step (seconds to compile); "
+        "full: the whole decode step as one graph (about a minute to compile on CPU, fastest); auto "
+        "(default): blocks on CPU for a dense model in one process, else none")
+
+
+def forward_logits(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+                   all_logits: bool = False, run_block: Callable | None = None) -> torch.Tensor:
+    """tokens (B, T) at input_pos (T,) or (B, T) -> the logits after the last token (B, V), or after every token
+    (B, T, V). With T = 1 this is the decode step: fixed shapes, the function torch.compile compiles.
+    run_block: what runs each layer (Transformer.forward), None for the Block itself."""
+    logits = model(tokens, input_pos, cache, all_logits=all_logits, run_block=run_block)
+    return logits if all_logits else logits[:, -1]
+
+
+@contextmanager
+def gemv_backend(tokens: torch.Tensor):
+    """A one-row step multiplies one row by every weight matrix (a GEMV). On CPU, MKL streams bf16 weights about
+    twice as fast as oneDNN there, while oneDNN is the faster one for two rows or more, so it is off for one row."""
+    if tokens.device.type != "cpu" or tokens.numel() != 1:
+        yield
+        return
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
+def eager(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+          all_logits: bool = False, run_block: Callable | None = None) -> torch.Tensor:
+    """forward_logits with the matmul backend that suits the row count (gemv_backend)."""
+    with gemv_backend(tokens):
+        return forward_logits(model, tokens, input_pos, cache, all_logits, run_block)
+
+
+def own_code(fn: Callable) -> Callable:
+    """fn with a code object of its own. Dynamo keeps compiled graphs on the code object, so two copies never
+    share a graph (see Step.compile_full)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def skip_module_guards(guards) -> list[bool]:
+    """Dynamo's guard filter for the full step: keep every guard except those on the model's modules. Dynamo checks
+    its guards before every call, and nearly all of them check that each module still has its attributes, types
+    and no hooks: a large part of a small model's CPU step (README, Benchmarks). A model does not change once built;
+    each Step compiles code of its own (own_code); the KV cache, the inputs and global state stay guarded."""
+    return [not g.orig_guard.source.is_unspecialized_nn_module() for g in guards]
+
+
+def auto_mode(model: Transformer) -> str:
+    """What "auto" runs: "blocks" on CPU, where the eager step is dominated by per-op dispatch, for a dense model in
+    one process; "none" on CUDA, for Mixtral (no compile) and under tensor parallelism (tp.py)."""
+    dense = model.args.n_experts is None and all(block.all_reduce is None for block in model.layers)
+    return "blocks" if model.embed_tokens.weight.device.type == "cpu" and dense else "none"
+
+
+def compile_failure(e: Exception) -> str:
+    """A torch.compile error in one line."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"torch.compile failed ({type(e).__name__}: {first[:200]})"
+
+
+class Step:
+    """One model's forwards. "none": eager. "blocks": each decode step (and each verify: every position's logits,
+    at most DECODE_QUERIES tokens) runs its layers through one compiled Block.forward; the layers share their code
+    and shapes, so one graph serves all of them (and later processes, from Inductor's cache): seconds to compile
+    where the whole step takes about a minute. A verify's own graph (its token count symbolic after the second
+    count) computes each row as the decode step's graph does, so greedy speculative == plain greedy (README,
+    Exactness). "full": the whole one-token step as one graph (CUDA graphs on GPU), and with compile_prefill the
+    multi-token forwards too, their length symbolic. "auto": auto_mode's choice, where a failed compile (no C++
+    compiler, say) prints one warning and goes on eagerly; an explicit mode turns it into a one-line ValueError."""
+
+    def __init__(self, model: Transformer, mode: str = "none", compile_prefill: bool = False):
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"unknown compile mode {mode!r}; choose from {', '.join(COMPILE_MODES)}")
+        self.model = model
+        self.fallback = mode == "auto" and not compile_prefill
+        self.failed = False  # the compile failed and the step went on eagerly (mode "none")
+        self.mode = "full" if compile_prefill else auto_mode(model) if mode == "auto" else mode
+        if self.mode != "none" and model.args.n_experts is not None:
+            # Which experts run depends on the router's output, and each expert is its own module (so quantization
+            # and tensor parallelism treat it as a dense MLP): a graph cannot pick a module by a computed index.
+            raise ValueError("--compile does not support mixture-of-experts models (Mixtral); run with --compile none")
+        cpu = model.embed_tokens.weight.device.type == "cpu"
+        # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
+        # first compile (README, Benchmarks).
+        options = {"cpp_wrapper": True} if cpu else {}
+        if self.mode == "blocks":
+            # Dynamo keeps its graphs on the code object, guarded on the module types (those guards stay): every
+            # layer of this model shares one graph. A code object of its own per Step keeps another model's graphs,
+            # and the shapes Dynamo has seen change there (which it then compiles as symbolic), out of this one's.
+            self.block = torch.compile(own_code(Block.forward), fullgraph=True, options=options)
+        if self.mode == "full":
+            self.one, self.many = self.compile_full(options, compile_prefill)
+
+    def compile_full(self, options: dict, prefill: bool) -> tuple[Callable, Callable]:
+        """The one-token forward as one graph, and the multi-token one (compiled with prefill, else eager). On GPU,
+        CUDA graphs remove the per-kernel launch cost, and for int8 weights coordinate-descent tuning makes
+        Inductor write each GEMV as a fused reduction that casts the int8 weight in registers."""
+        # guard_filter_fn came with torch 2.8; before it, every guard is checked
+        guards = {"guard_filter_fn": skip_module_guards} if hasattr(torch.compiler, "skip_all_guards_unsafe") else {}
+        options = {**options, **guards}
+        if self.model.embed_tokens.weight.device.type == "cuda":
+            int8 = any(isinstance(x, Int8Linear) for x in self.model.modules())
+            options.update({"triton.cudagraphs": True, "coordinate_descent_tuning": int8})
+        one = torch.compile(own_code(forward_logits), fullgraph=True, options=options)
+        many = torch.compile(own_code(forward_logits), fullgraph=True, dynamic=True, options=guards) \
+            if prefill else forward_logits
+        return one, many
+
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+                 all_logits: bool = False) -> torch.Tensor:
+        """tokens (B, T) at input_pos (T,) or (B, T) -> logits (B, V), or (B, T, V) with all_logits."""
+        model, T = self.model, tokens.shape[1]
+        try:
+            if self.mode == "blocks" and (T == 1 or all_logits and T <= DECODE_QUERIES):
+                return eager(model, tokens, input_pos, cache, all_logits, run_block=self.block)
+            if self.mode == "full":
+                if T > 1:
+                    return self.many(model, tokens, input_pos, cache, all_logits)
+                with gemv_backend(tokens):  # read at run time by the matmuls the compiled code calls
+                    return self.one(model, tokens, input_pos, cache, all_logits)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            if not self.fallback:
+                raise ValueError(f"{compile_failure(e)}; run with --compile none") from None
+            print(f"warning: {compile_failure(e)}; decoding without it", file=sys.stderr)
+            self.mode, self.failed = "none", True
+        return eager(model, tokens, input_pos, cache, all_logits)

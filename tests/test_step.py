@@ -1,0 +1,240 @@
+"""step.Step, the one policy for how a model's forwards run: its modes, what `auto` picks, the compiled block and
+the compiled step against eager, per-model graphs, the prefill compile, the GEMV backend, and a compile failure
+(a fallback to eager that the step then reports, or a one-line error)."""
+import copy
+
+import pytest
+import torch
+
+from kvcache import KVCache
+from step import Step, auto_mode, eager, gemv_backend
+
+
+def test_step_modes(tiny):
+    assert Step(tiny).mode == "none" and Step(tiny, "none").mode == "none"
+    assert Step(tiny, "full").mode == "full" and Step(tiny, compile_prefill=True).mode == "full"
+    assert Step(tiny, "blocks").mode == "blocks" and Step(tiny, "auto").mode == "blocks"  # a dense model on CPU
+    assert Step(tiny).model is tiny
+    with pytest.raises(ValueError, match=r"^unknown compile mode 'fast'; choose from auto, none, blocks, full$"):
+        Step(tiny, "fast")
+
+
+def test_auto_compiles_blocks_for_a_dense_model_in_one_cpu_process(tiny):
+    from tiny_models import hf_to_ours, make_hf
+
+    assert auto_mode(tiny) == "blocks"
+    sharded = copy.deepcopy(tiny)
+    for block in sharded.layers:
+        block.all_reduce = lambda t: t  # what tp.install sets: a collective inside every block
+    assert auto_mode(sharded) == "none"
+    moe = hf_to_ours(make_hf("mixtral-8x2"))
+    assert auto_mode(moe) == "none" and Step(moe, "auto").mode == "none"
+    with pytest.raises(ValueError, match=r"^--compile does not support mixture-of-experts"):
+        Step(moe, "blocks")
+
+
+def test_loops_refuse_a_step_of_another_model(tiny):
+    from decode import generate
+
+    with pytest.raises(AssertionError, match="a Step runs the model it was made for"):
+        list(generate(tiny, [1, 2, 3], 2, step=Step(copy.deepcopy(tiny))))
+
+
+def greedy_steps(step: Step, prompt: list[int], n: int, rows: int = 1) -> torch.Tensor:
+    """Prefill `prompt` (in `rows` identical rows), then n greedy one-token steps: the logits (n + 1, rows, V)."""
+    cache = KVCache.for_model(step.model.args, rows, len(prompt) + n, torch.float32, "cpu")
+    logits = step(torch.tensor([prompt] * rows), torch.arange(len(prompt)), cache)
+    out = [logits]
+    for pos in range(len(prompt), len(prompt) + n):
+        logits = step(logits.argmax(-1, keepdim=True), torch.tensor([pos]), cache)
+        out.append(logits)
+    return torch.stack(out)
+
+
+@pytest.mark.slow
+def test_blocks_match_eager(tiny):
+    """--compile blocks (the CPU default): one compiled Block.forward runs every layer of a decode step. 24 greedy
+    steps give eager's logits (<= 1e-4), for one row and for three; another prompt recompiles nothing; an int4 copy
+    of the model (other module types, as a self-draft has) gets its own eager logits from its own step."""
+    import torch._dynamo
+
+    from quantize import quantize_model
+
+    torch._dynamo.reset()
+    step = Step(tiny, "blocks")
+    for rows in (1, 3):
+        fast, slow = greedy_steps(step, [7, 8, 9], 24, rows), greedy_steps(Step(tiny), [7, 8, 9], 24, rows)
+        assert (fast - slow).abs().max() <= 1e-4
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = greedy_steps(step, [11, 12, 13], 24)  # the same cache size: a new one is a new shape
+    assert (again - greedy_steps(Step(tiny), [11, 12, 13], 24)).abs().max() <= 1e-4
+    int4 = quantize_model(copy.deepcopy(tiny), "int4:32")
+    fast, slow = greedy_steps(Step(int4, "blocks"), [7, 8, 9], 24), greedy_steps(Step(int4), [7, 8, 9], 24)
+    assert torch.equal(fast.argmax(-1), slow.argmax(-1))
+    assert (fast - slow).abs().max() <= 1e-2 * slow.abs().max()  # the bf16 kernel; the code around it is fused
+
+
+@pytest.mark.slow
+def test_a_verify_runs_the_compiled_block_row_for_row(tiny):
+    """Under blocks, a verify (every position's logits, a few tokens) runs the compiled block too: its rows equal
+    the compiled one-token steps' bitwise, for every verify length (the length is symbolic after the second). With
+    int4 weights, as the default path runs: a float matmul rounds one row and several differently (README)."""
+    import torch._dynamo
+
+    from quantize import quantize_model
+
+    torch._dynamo.reset()
+    int4 = quantize_model(copy.deepcopy(tiny), "int4:32", quantize_head=True)  # as the Q8_0 head runs
+    step = Step(int4, "blocks")
+    prompt, follow = [7, 8, 9], [10, 11, 12, 13, 14]
+    for T in (1, 5, 3, 2, 4):
+        caches = [KVCache.for_model(int4.args, 1, 16, torch.float32, "cpu") for _ in range(2)]
+        for cache in caches:
+            step(torch.tensor([prompt]), torch.arange(3), cache)
+        rows = [step(torch.tensor([[t]]), torch.tensor([3 + i]), caches[0]) for i, t in enumerate(follow[:T])]
+        verify = step(torch.tensor([follow[:T]]), torch.arange(3, 3 + T), caches[1], all_logits=True)[0]
+        assert torch.equal(torch.cat(rows), verify), T
+
+
+def broken_compile(fn, **kwargs):
+    """A torch.compile whose compiled function fails as Inductor does when it cannot build a kernel."""
+    import torch._dynamo.exc
+
+    def fail(*args, **kwargs):
+        raise torch._dynamo.exc.BackendCompilerFailed("inductor", RuntimeError("CppCompileError: no g++"), None)
+    return fail
+
+
+def test_auto_blocks_fall_back_to_eager_when_compiling_fails(tiny, monkeypatch, capsys):
+    """The default must run where torch.compile cannot (no C++ compiler): one warning, then eager's logits, and the
+    step says it runs eagerly (what the summary line reads). Asked for explicitly (--compile blocks), the failure
+    is a one-line error."""
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    step = Step(tiny, "auto")
+    assert step.mode == "blocks" and not step.failed
+    assert torch.equal(greedy_steps(step, [7, 8, 9], 4), greedy_steps(Step(tiny), [7, 8, 9], 4))
+    assert step.mode == "none" and step.failed
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: torch.compile failed (BackendCompilerFailed")
+    assert err.rstrip().endswith("decoding without it")
+    with pytest.raises(ValueError, match=r"torch.compile failed \(BackendCompilerFailed.*run with --compile none"):
+        greedy_steps(Step(tiny, "blocks"), [7, 8, 9], 1)
+
+
+def test_a_compile_failure_is_a_one_line_value_error(tiny, monkeypatch):
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    step = Step(tiny, "full")
+    cache = KVCache.for_model(tiny.args, 1, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"torch.compile failed \(BackendCompilerFailed.*run with --compile none"):
+        step(torch.tensor([[1]]), torch.tensor([0]), cache)
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager_without_recompiling(tiny):
+    """32 greedy steps: the full step's logits equal eager ones; after warm-up, another generation of the same
+    shape must not recompile (error_on_recompile turns a recompile into an exception)."""
+    import torch._dynamo
+
+    def greedy_logits(step: Step, prompt: list[int], n: int) -> torch.Tensor:
+        cache = KVCache.for_model(tiny.args, 1, len(prompt) + n, torch.float32, "cpu")
+        logits = tiny(torch.tensor([prompt]), torch.arange(len(prompt)), cache)[:, -1]
+        out = [logits]
+        for pos in range(len(prompt), len(prompt) + n - 1):
+            logits = step(logits.argmax(-1, keepdim=True), torch.tensor([pos]), cache)
+            out.append(logits)
+        return torch.cat(out)  # (n, V)
+
+    torch._dynamo.reset()
+    compiled = Step(tiny, "full")
+    assert (greedy_logits(compiled, [7, 8, 9, 10], 32) - greedy_logits(Step(tiny), [7, 8, 9, 10], 32)).abs().max() \
+        <= 1e-4
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = greedy_logits(compiled, [11, 12, 13, 14], 32)
+    assert (again - greedy_logits(Step(tiny), [11, 12, 13, 14], 32)).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_compiled_steps_keep_each_models_graphs(tiny):
+    """The full step drops Dynamo's guards on the model's modules (step.skip_module_guards), so a graph must never
+    serve another model: steps of models of the same shapes whose constants (norm eps) and module types (int4
+    linears, as a self-draft has) differ give each model its own eager logits, in either order."""
+    import torch._dynamo
+
+    from quantize import quantize_model
+
+    other = copy.deepcopy(tiny)
+    for m in other.modules():
+        if hasattr(m, "eps"):
+            m.eps = 0.5  # a Python constant: baked into the graph, not an input to it
+    models = [tiny, other, quantize_model(copy.deepcopy(tiny), "int4:32")]
+    torch._dynamo.reset()
+    steps = [Step(model, "full") for model in models]
+    for _ in range(2):
+        for model, step in zip(models, steps):
+            caches = [KVCache.for_model(model.args, 1, 8, torch.float32, "cpu") for _ in range(2)]
+            for cache in caches:
+                model(torch.tensor([[1, 2, 3]]), torch.arange(3), cache)
+            token, pos = torch.tensor([[4]]), torch.tensor([3])
+            slow, fast = eager(model, token, pos, caches[0]), step(token, pos, caches[1])
+            assert (fast - slow).abs().max() <= 1e-2 * slow.abs().max()
+
+
+@pytest.mark.slow
+def test_compiled_prefill_has_dynamic_length(tiny):
+    """--compile-prefill: prompts of several lengths give eager's logits (<= 1e-4); compiled with the length
+    symbolic from the start, so later lengths recompile nothing, but for the one switch of attention kernel past
+    DECODE_QUERIES tokens (model.Attention)."""
+    import torch._dynamo
+
+    from model import DECODE_QUERIES
+
+    def prefill(step: Step, n: int) -> torch.Tensor:
+        cache = KVCache.for_model(tiny.args, 1, 64, torch.float32, "cpu")
+        return step(torch.arange(1, n + 1)[None], torch.arange(n), cache)
+
+    torch._dynamo.reset()
+    compiled = Step(tiny, "full", compile_prefill=True)
+    for i, n in enumerate([5, 9, DECODE_QUERIES, DECODE_QUERIES + 7, 40]):
+        with torch._dynamo.config.patch(error_on_recompile=i not in (0, 3)):
+            assert (prefill(compiled, n) - prefill(Step(tiny), n)).abs().max() <= 1e-4
+
+
+def test_gemv_backend_only_for_single_row_cpu_steps(tiny):
+    assert torch.backends.mkldnn.enabled
+    with gemv_backend(torch.tensor([[5]])):
+        assert not torch.backends.mkldnn.enabled  # one row: MKL's GEMV
+    assert torch.backends.mkldnn.enabled  # restored
+    with gemv_backend(torch.tensor([[5], [6]])):
+        assert torch.backends.mkldnn.enabled  # two rows: oneDNN stays
+    # Same logits whichever backend runs the bf16 matmuls (up to bf16 rounding of the accumulation order).
+    bf16 = copy.deepcopy(tiny).to(torch.bfloat16)
+    cache = KVCache.for_model(bf16.args, 1, 8, torch.bfloat16, "cpu")
+    bf16(torch.tensor([[1, 2, 3]]), torch.arange(3), cache)
+    token, pos = torch.tensor([[4]]), torch.tensor([3])
+    reference = bf16(token, pos, cache)[:, -1]  # oneDNN, torch's default
+    assert (eager(bf16, token, pos, cache) - reference).abs().max() <= 0.05 * reference.abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["int8", "int4:32"])
+def test_compiled_quantized_decode_matches_eager(tiny, mode):
+    """int8 and int4 weights under torch.compile on CPU (int8 used to die in Inductor's lowering of
+    _weight_int8pack_mm): compiled greedy tokens and logits equal the eager ones."""
+    import torch._dynamo
+
+    from quantize import quantize_model
+
+    model = quantize_model(copy.deepcopy(tiny), mode)
+    torch._dynamo.reset()
+    compiled = Step(model, "full")
+    cache_a = KVCache.for_model(model.args, 1, 24, torch.float32, "cpu")
+    cache_b = KVCache.for_model(model.args, 1, 24, torch.float32, "cpu")
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    a = eager(model, prompt, torch.arange(5), cache_a)
+    b = compiled(prompt, torch.arange(5), cache_b)
+    for pos in range(5, 20):
+        token = a.argmax(-1, keepdim=True)
+        assert torch.equal(token, b.argmax(-1, keepdim=True))
+        a = eager(model, token, torch.tensor([pos]), cache_a)
+        b = compiled(token, torch.tensor([pos]), cache_b)
+        assert (a - b).abs().max() <= 1e-2  # both run the bf16 kernels; the code around them is fused

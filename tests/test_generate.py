@@ -391,8 +391,6 @@ def test_speculative_json_matches_plain_greedy(capsys, smollm2, smollm2_gguf):
 def test_readme_command_with_the_default_model(capability, monkeypatch):
     """The README's first command, on this CPU's class and with AVX2 forced: the summary says what the auto rules
     pick for that class (the dtype) and for both (the file's int4 codes and Q8_0 head, the compiled blocks)."""
-    import torch
-
     from cli import pick_dtype
 
     if capability is None:

@@ -189,7 +189,8 @@ def test_native_codes_equal_the_files_dequantization(gguf_file, qtype, tied):
     native, _ = load_model(path, "cpu", torch.float32)
     exact, _ = load_model(path, "cpu", torch.float32, quantize="none")
     native_bf16, _ = load_model(path, "cpu", torch.bfloat16)
-    assert q.quantization_of(native) == {"quantization": "int4", "group_size": "32", "quantize_head": "false"}
+    # the file's Q8_0 head runs as its codes (Int8GroupLinear), in float32 too
+    assert q.quantization_of(native) == {"quantization": "int4", "group_size": "32", "quantize_head": "true"}
     assert isinstance(native.lm_head, nn.Linear)
     if tied:
         assert native.lm_head.weight is native.embed_tokens.weight
@@ -365,7 +366,8 @@ def test_smollm2_loads_native_int4(smollm2_native_and_exact):
     """Default load of the Q4_1 file: every block linear is Int4Linear group 32, at 4 bits per code plus a bf16
     scale and zero per 32 weights: 0.5 + 4/32 bytes = 5 bits per weight (Q4_1's own 20 bytes per 32)."""
     native, exact = smollm2_native_and_exact
-    assert q.quantization_of(native) == {"quantization": "int4", "group_size": "32", "quantize_head": "false"}
+    # the file's Q8_0 head runs as its codes (Int8GroupLinear), in float32 too
+    assert q.quantization_of(native) == {"quantization": "int4", "group_size": "32", "quantize_head": "true"}
     assert all(isinstance(m, nn.Linear) for m in block_linears(exact).values())
     modules = block_linears(native).values()
     bits = 8 * sum(b.nbytes for m in modules for b in m.buffers()) / sum(m.in_features * m.out_features
@@ -384,7 +386,12 @@ def test_smollm2_native_vs_exact_float(smollm2_native_and_exact, smollm2_gguf, s
     from quality import compare, load_eval_tokens, teacher_forced_logprobs
     import gguf
 
+    from model import Linear
+
     native, exact = smollm2_native_and_exact
+    native = copy.deepcopy(native)  # the blocks' cost alone: the exact float head (the Q8_0 one is tested below)
+    native.lm_head = Linear(native.args.dim, native.args.vocab_size)
+    native.lm_head.weight = exact.lm_head.weight
     tokens = load_eval_tokens(smollm2_tokenizer, max_tokens=64)
     assert len(tokens) == 64
     exact_lp, native_lp = teacher_forced_logprobs(exact, tokens), teacher_forced_logprobs(native, tokens)

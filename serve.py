@@ -206,6 +206,9 @@ def get(body: dict, name: str, kind: str, default=None):
     if not isinstance(value, JSON_KINDS[kind]) or (isinstance(value, bool) and kind != "boolean"):
         article = "an" if kind[0] in "aeio" else "a"
         raise BadRequest(f"{name} must be {article} {kind}, got {json.dumps(value)[:50]}", name)
+    if kind == "number" and isinstance(value, int) and not -2 ** 1023 < value < 2 ** 1023:
+        # JSON integers are unbounded: 10**400 as a temperature would overflow converting to a float
+        raise BadRequest(f"{name} is out of range, got a number of {len(str(abs(value)))} digits", name)
     return value
 
 

@@ -521,14 +521,18 @@ def test_port_in_use_is_one_line(server):
 
 # ---- hostile cases ----
 
-@pytest.mark.parametrize("extreme", [{"temperature": 1e-38}, {"top_p": 1e-300}, {"repetition_penalty": 1e-300}])
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-38}, {"top_p": 1e-300}, {"repetition_penalty": 1e-300},
+                                     {"temperature": 10 ** 400}, {"repetition_penalty": 10 ** 400}])
 def test_extreme_sampling_values_leave_the_server_exact(reference, greedy_8, extreme):
     """Values that overflowed float32 sampling and killed the engine thread: a 400 or a valid completion, and the
-    server then answers a greedy request exactly. (The fix is in sample.py/engine.py.)"""
+    server then answers a greedy request exactly. (The fix is in sample.py/engine.py.) A JSON integer too large
+    for a float (10**400, a 500 OverflowError in the hostile pass) is a 400 naming the field."""
     async def scenario():
         async with in_process(local_app(reference)) as c:
             await answers_exactly(c, greedy_8)
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, **extreme})
+            if any(isinstance(v, int) for v in extreme.values()):
+                assert r.status_code == 400 and "out of range" in r.json()["error"]["message"], r.text
             if r.status_code == 400:
                 openai_error(r, 400)
             else:

@@ -35,7 +35,7 @@ import torch
 
 import tp
 from cli import DTYPES, FALLBACK_MODEL, check_seed, check_text, default_model, pick_device, pick_dtype, run_cli
-from decode import Session, generate, generate_batch
+from decode import Session, fit_new_tokens, generate, generate_batch
 from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
 from load import load_model, resolve_model_path
 from model import Transformer
@@ -251,20 +251,19 @@ def run(args: argparse.Namespace) -> None:
     if shard is not None:
         tp.install(model)
     step = Step(model, args.compile, args.compile_prefill)
-    setup = ""  # what the summary line says after the speed: device and dtype, what ran (setup_line), the weights
-    if shard is not None:
-        setup += f" | tensor parallel x{shard.world} (this rank's weights)"
+    # The summary line after the speed: where and in what dtype it ran, what ran (read at the end: setup_line), then
+    # the sharding, the weights and the constraint.
+    where = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
+    setup = f" | tensor parallel x{shard.world} (this rank's weights)" if shard is not None else ""
     setup += quantization_summary(model, args.kv_cache_dtype)
     constraint = constraint_of(args)
     grammar = None if constraint is None else Compiler(tokenizer, model.args.vocab_size).compile(constraint)
     if grammar is not None:
         setup += f" | {constraint.kind.replace('_', ' ')}"
-    where = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
 
     def setup_line() -> str:
         """Read when the summary is printed: the step's mode is then what ran (eager after a failed compile)."""
         return f"{where} | {step_label(step, args)}{setup}"
-
 
     if args.interactive:
         chat(args, model, tokenizer, params, generator, step, setup_line, system, grammar)
@@ -321,16 +320,8 @@ def chat_tokens(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def new_tokens(asked: int | None, prompt_tokens: int, context: int) -> int:
-    """How many tokens to generate after a prompt: --max-new-tokens, which must fit in the context with the prompt
-    (as the server's max_tokens), or DEFAULT_NEW_TOKENS, or what the prompt leaves. A prompt that leaves no room is
-    refused by the generation loop (`longer than the model's context`)."""
-    room = context - prompt_tokens
-    if asked is None:
-        return max(1, min(DEFAULT_NEW_TOKENS, room))
-    if asked > room >= 1:
-        raise ValueError(f"--max-new-tokens {asked} does not fit: the model's context holds {context} tokens and the "
-                         f"prompt takes {prompt_tokens}, so --max-new-tokens can be at most {room}")
-    return asked
+    """--max-new-tokens by the server's max_tokens rule (decode.fit_new_tokens), DEFAULT_NEW_TOKENS when not given."""
+    return fit_new_tokens(asked, DEFAULT_NEW_TOKENS, prompt_tokens, context, "--max-new-tokens")
 
 
 def step_label(step: Step, args: argparse.Namespace) -> str:

@@ -63,6 +63,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cli import DTYPES, default_model, pick_device, pick_dtype, run_cli
+from decode import fit_new_tokens
 from engine import Engine, EngineConfig, Event, QueueFull, Request
 from grammar import Compiler, Constraint, Grammar
 from sample import SamplingParams
@@ -386,13 +387,14 @@ def parse_request(body, chat: bool, tokenizer, max_len: int, max_chars: int,
                                                                                     special)
     params = sampling_params(body)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    room = max_len - len(prompt)  # what the prompt leaves of the context; < 1: the engine refuses the prompt
-    max_tokens = get(body, name, "integer", max(1, room if chat else min(COMPLETION_MAX_TOKENS, room)))
-    if max_tokens < 1:
-        raise BadRequest(f"{name} must be >= 1, got {max_tokens}", name)
-    if max_tokens > room >= 1:  # as OpenAI and vLLM: a 400, not a completion silently cut at the context
-        raise BadRequest(f"{name} {max_tokens} does not fit: the context holds {max_len} tokens and the prompt "
-                         f"takes {len(prompt)}, so {name} can be at most {room}", name)
+    asked = get(body, name, "integer")
+    if asked is not None and asked < 1:
+        raise BadRequest(f"{name} must be >= 1, got {asked}", name)
+    try:  # as OpenAI and vLLM: a 400, not a completion silently cut at the context
+        max_tokens = fit_new_tokens(asked, None if chat else COMPLETION_MAX_TOKENS, len(prompt), max_len, name,
+                                    "the context")
+    except ValueError as e:
+        raise BadRequest(str(e), name) from None
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):

@@ -65,6 +65,9 @@ class Event:
     completion_tokens: int  # so far
     cached_tokens: int  # prompt tokens whose keys/values came from the prefix cache
     error: str | None = None
+    index: int = 0  # which choice
+    tokens: list[Token] | None = None  # with Request.logprobs: a Token per token_id
+    prompt_logprobs: list[Token | None] | None = None
 
 
 @dataclass
@@ -76,6 +79,10 @@ class Request:
     seed: int | None = None
     on_event: Callable[[Event], None] | None = None
     grammar: Grammar | None = None  # structured output: the text follows it (a matcher per sequence)
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class QueueFull(RuntimeError):
@@ -381,7 +388,8 @@ class Engine:
     def _sample(self, seq: Seq, logits: torch.Tensor) -> None:
         """Draw seq's next token from (1, V) logits (as decode.generate does), stream it, maybe finish."""
         try:
-            _, (token,) = sample_tokens(logits, seq.request.params, seq.generator, seq.seen, seq.generated, None,
+            _, (token,) = sample_tokens(logits, seq.request.params, seq.generator, seq.seen, seq.generated,
+                                        seq.request.logprobs,
                                         None if seq.matcher is None else [seq.matcher])
         except Exception as e:  # this request fails alone
             self._fail(seq, e)
@@ -392,9 +400,9 @@ class Engine:
         piece = push_token(seq.text, token)
         reason = finish_reason(token.end, seq.text)
         if reason is None:
-            self._emit(seq, piece, [token.id], None)
+            self._emit(seq, piece, [token], None)
         else:
-            self._finish(seq, reason, piece, [token.id])
+            self._finish(seq, reason, piece, [token])
 
     def _fail(self, seq: Seq, e: Exception) -> None:
         """End seq with finish_reason "error": one line on stderr, the error in its last event."""
@@ -402,7 +410,7 @@ class Engine:
         print(f"engine: request {seq.id} failed: {message}", file=sys.stderr)
         self._finish(seq, "error", error=message)
 
-    def _finish(self, seq: Seq, reason: str, piece: str = "", token_ids: list[int] = (),
+    def _finish(self, seq: Seq, reason: str, piece: str = "", tokens: list[Token] = (),
                 error: str | None = None) -> None:
         if seq in self.running:
             self.running.remove(seq)
@@ -412,16 +420,17 @@ class Engine:
                 self.queued -= 1
         self._drop_blocks(seq)
         self.finished += 1
-        self._emit(seq, piece + seq.text.flush(), list(token_ids), reason, error)
+        self._emit(seq, piece + seq.text.flush(), list(tokens), reason, error)
 
-    def _emit(self, seq: Seq, text: str, token_ids: list[int], reason: str | None, error: str | None = None) -> None:
+    def _emit(self, seq: Seq, text: str, tokens: list[Token], reason: str | None, error: str | None = None) -> None:
         """Call the request's on_event. A callback that raises is the caller's bug: it is reported on stderr and
         its request aborted, and the engine serves on."""
         if seq.request.on_event is None:
             return
         try:
-            seq.request.on_event(Event(seq.id, text, token_ids, reason is not None, reason, seq.n_prompt,
-                                       len(seq.tokens) - seq.n_prompt, seq.cached, error))
+            seq.request.on_event(Event(seq.id, text, [t.id for t in tokens], reason is not None, reason, seq.n_prompt,
+                                       len(seq.tokens) - seq.n_prompt, seq.cached, error,
+                                       tokens=tokens if seq.request.logprobs is not None else None))
         except Exception:
             traceback.print_exc()
             if reason is None:

@@ -39,6 +39,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # TEMPORARY (branch sampling implements them)
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,

@@ -23,6 +23,15 @@ _BYTE_LEVEL_PRE = {
     "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character standing for each byte in a byte-level BPE vocabulary
+    (printable bytes stand for themselves, the others for the characters from U+0100 on)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+_BYTE_OF = _bytes_to_unicode()
 # Token types of GGUF `tokenizer.ggml.token_type` and of sentencepiece's ModelProto (the same enum).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 
@@ -64,6 +73,23 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens included."""
         return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, as it reads inside a text (with its leading space): a byte-level token
+        may be part of a UTF-8 character, so its text alone (U+FFFD) would not say."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if byte := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):  # sentencepiece's byte fallback
+            return bytes([int(byte.group(1), 16)])
+        decoder = self.backend.decoder
+        if decoder is not None and b'"ByteLevel"' in decoder.__getstate__() and set(piece) <= _BYTE_OF.keys():
+            return bytes(_BYTE_OF[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()  # sentencepiece writes a space as U+2581
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it reads inside a text (U+FFFD for part of a character)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def text_backend(self):
         """A copy of the backend that reads special tokens' names as text, made when first needed (copying a

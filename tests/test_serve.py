@@ -26,8 +26,8 @@ import pytest
 import loadtest
 from decode import generate
 from engine import Engine, EngineConfig, Request
-from serve import (API_KEY_ENV, FD_RESERVE, MAX_HEAD_BYTES, QuietLoopErrors, ServeConfig, check_flags, engine_config,
-                   make_app, parse_args, serve_config, use_file_descriptors)
+from gate import FD_RESERVE, MAX_HEAD_BYTES, QuietLoopErrors, ServeConfig, use_file_descriptors
+from serve import API_KEY_ENV, check_flags, engine_config, make_app, parse_args, serve_config
 from text import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 try:

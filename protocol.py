@@ -1,0 +1,543 @@
+"""The OpenAI protocol, without a server: a request body -> engine Requests, engine Events -> response bodies and
+stream chunks, errors in OpenAI's format. Pure functions, testable without HTTP (serve.py does the HTTP)."""
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from decode import Token, fit_new_tokens
+from engine import Event, Request
+from grammar import Constraint, Grammar
+from sample import SamplingParams
+from text import check_stop
+
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to all the room left
+MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs limit; completions' logprobs as vLLM)
+MAX_CHOICES = 64  # n (or best_of) at most, and prompts x n per call: each is a sequence decoded in the batch
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# Structured output: OpenAI's response_format, and vLLM's extensions (guided_json, guided_regex, guided_grammar,
+# guided_choice); at most one of them per request.
+GUIDED = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+# The fields read; any other is ignored with a log line (as vLLM does: SDKs send fields a server may not know).
+# top_k, min_p, repetition_penalty, min_tokens, ignore_eos and guided_* are vLLM's extensions.
+COMMON_FIELDS = {"model", "user", "max_tokens", "stop", "seed", "stream", "stream_options", "n", "logprobs",
+                 "logit_bias", "min_tokens", "ignore_eos", *SAMPLING, *GUIDED}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+# Fields whose meaning is not served: refused unless absent, null or the value that asks nothing. (Ignoring them
+# would answer something else than what was asked.)
+ONLY = {"suffix": ""}
+NOT_SERVED = ("tools", "tool_choice", "functions", "function_call")  # tool calling: not served yet
+JSON_KINDS = {"number": (int, float), "integer": (int,), "string": (str,), "boolean": (bool,), "object": (dict,),
+              "array": (list,)}
+
+
+class BadRequest(ValueError):
+    """A request answered with HTTP 400; param names the offending field when there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def get(body: dict, name: str, kind: str, default=None):
+    """body[name] checked to be of JSON type `kind` (a boolean is no number); default when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, JSON_KINDS[kind]) or (isinstance(value, bool) and kind != "boolean"):
+        article = "an" if kind[0] in "aeio" else "a"
+        raise BadRequest(f"{name} must be {article} {kind}, got {json.dumps(value)[:50]}", name)
+    if kind == "number" and isinstance(value, int) and not -2 ** 1023 < value < 2 ** 1023:
+        # JSON integers are unbounded: 10**400 as a temperature would overflow converting to a float
+        raise BadRequest(f"{name} is out of range, got a number of {len(str(abs(value)))} digits", name)
+    return value
+
+
+def sampling_params(body: dict, vocab_size: int) -> SamplingParams:
+    """The sampling fields of a request; OpenAI's defaults (temperature 1). logit_bias maps token ids (as strings,
+    JSON's keys) to a bias in [-100, 100] added to their logits."""
+    defaults = SamplingParams(temperature=1.0)
+    values = {name: get(body, name, "integer" if name == "top_k" else "number", getattr(defaults, name))
+              for name in SAMPLING}
+    bias = []
+    for key, value in get(body, "logit_bias", "object", {}).items():
+        if not key.isdigit() or not int(key) < vocab_size:
+            raise BadRequest(f"logit_bias key {key[:20]!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        if type(value) not in (int, float) or not -100 <= value <= 100:
+            raise BadRequest(f"logit_bias[{key}] must be a number in [-100, 100], got {json.dumps(value)[:50]}",
+                             "logit_bias")
+        bias.append((int(key), float(value)))
+    min_tokens = get(body, "min_tokens", "integer", 0)
+    if min_tokens < 0:
+        raise BadRequest(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
+    try:
+        return SamplingParams(**values, logit_bias=tuple(sorted(bias)), min_tokens=min_tokens,
+                              ignore_eos=get(body, "ignore_eos", "boolean", False))
+    except ValueError as e:  # its messages start with the parameter's name
+        name = str(e).split()[0]
+        raise BadRequest(str(e), name if name in SAMPLING else None) from None
+
+
+def check_unicode(body) -> None:
+    """BadRequest for a lone surrogate anywhere in body: JSON can escape one ("\\ud800") but it is no text (UTF-8
+    cannot encode it), so neither the tokenizer nor a response could take it. Iterative: bodies may nest deeply."""
+    stack = [(body, None)]
+    while stack:
+        value, param = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest(f"{param or 'the request'} contains a lone UTF-16 surrogate escape "
+                                 "(\\ud800-\\udfff not in a pair), which is not text", param) from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                field_ = param or (k if k in CHAT_FIELDS or k in COMPLETION_FIELDS else None)  # known: safe to echo
+                stack += [(k, field_), (v, field_)]
+        elif isinstance(value, list):
+            stack += [(v, param) for v in value]
+
+
+def longest_token(tokenizer) -> int:
+    """The most input characters one token can stand for: its length in the vocabulary. Byte-level BPE writes one
+    character per byte (and a character is at least a byte), sentencepiece one per character ("▁" for a space,
+    "<0x41>" for one byte), special tokens as themselves. So a text of N characters is >= N / this many tokens
+    (not so for a tokenizer that fuses runs of unknown characters into one token; none that load.py reads)."""
+    return max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)))
+
+
+def check_chars(text: str, max_chars: int, param: str) -> None:
+    """Refuse a text too long for the context by its length alone, before tokenizing it: megabytes of prompt are
+    never tokenized. max_chars: (positions - 1) * longest_token(tokenizer)."""
+    if len(text) > max_chars:
+        raise BadRequest(f"the prompt is {len(text)} characters, longer than the context: no more than {max_chars} "
+                         "characters can fit in it", param)
+
+
+def completion_prompts(body: dict, tokenizer, max_chars: int, special: bool = True) -> tuple[list[list[int]], list[str]]:
+    """The prompts of /v1/completions and their texts: a string (encoded with BOS; special tokens' names in it are
+    those tokens unless `special` is False, serve.py --prompt-special-tokens text), token ids, or an array of
+    either (a batch: one choice, or n, per prompt)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or is_token_list(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or len(prompt) > MAX_CHOICES:
+        raise BadRequest(f"prompt must be a string, a non-empty array of token ids, or an array of up to "
+                         f"{MAX_CHOICES} of these", "prompt")
+    ids, texts = [], []
+    for i, one in enumerate(prompt):
+        if isinstance(one, str):
+            check_chars(one, max_chars, "prompt")
+            ids.append(tokenizer.encode(one, special=special))
+            texts.append(one)
+        elif is_token_list(one):
+            bad = [t for t in one if not 0 <= t < tokenizer.vocab_size]
+            if bad:
+                raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})",
+                                 "prompt")
+            ids.append(one)
+            texts.append(tokenizer.decode(one))
+        else:
+            raise BadRequest(f"prompt[{i}] must be a string or a non-empty array of token ids", "prompt")
+    return ids, texts
+
+
+def is_token_list(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def chat_prompt(body: dict, tokenizer, max_chars: int) -> list[int]:
+    """The prompt of /v1/chat/completions: the messages rendered with the model's chat template (which has BOS),
+    their contents tokenized as text (a special token's name in a message is no special token, as in OpenAI's API)."""
+    import jinja2
+
+    messages = get(body, "messages", "array")
+    if not messages:
+        raise BadRequest("messages must be a non-empty array", "messages")
+    turns = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("system", "developer", "user", "assistant"):
+            raise BadRequest(f"messages[{i}] must be an object with role system, developer, user or assistant, "
+                             f"got {json.dumps(m)[:50]}", "messages")
+        content = m.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or an array of text parts", "messages")
+        turns.append({"role": "system" if role == "developer" else role, "content": content})
+    try:
+        check_chars(tokenizer.apply_chat_template(turns), max_chars, "messages")
+        return tokenizer.encode_chat(turns)
+    except jinja2.TemplateError as e:
+        raise BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
+
+
+def constraint_of(body: dict) -> tuple[Constraint, str] | None:
+    """The structured output a request asks for, and the field that asks; None for plain text."""
+    given = [name for name in GUIDED if body.get(name) is not None]
+    if len(given) > 1:
+        raise BadRequest(f"pass at most one of {', '.join(GUIDED)}; got {' and '.join(given)}", given[1])
+    if not given:
+        return None
+    name = given[0]
+    if name == "response_format":
+        fmt = get(body, name, "object")
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Constraint("json_object"), name
+        if kind != "json_schema":
+            raise BadRequest(f"response_format.type must be text, json_object or json_schema, got "
+                             f"{json.dumps(kind)[:50]}", name)
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise BadRequest("response_format.json_schema must be an object with the schema in its schema field "
+                             '({"name": ..., "schema": {...}, "strict": true})', name)
+        return Constraint("json_schema", json.dumps(spec["schema"])), name
+    if name == "guided_json":  # a schema, or a schema's JSON text
+        schema = body[name]
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise BadRequest(f"guided_json is not valid JSON: {e}", name) from None
+        if not isinstance(schema, dict):
+            raise BadRequest("guided_json must be a JSON schema (an object)", name)
+        return Constraint("json_schema", json.dumps(schema)), name
+    if name == "guided_choice":  # exactly one of the strings
+        choices = get(body, name, "array")
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise BadRequest("guided_choice must be a non-empty array of non-empty strings", name)
+        # One terminal of alternatives, lexed as one regex: as alternatives of a rule, llguidance's parser holds
+        # an item per choice in a row and refuses rows of over 2,000.
+        return Constraint("grammar", "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices)), name
+    return Constraint("regex" if name == "guided_regex" else "grammar", get(body, name, "string")), name
+
+
+@dataclass
+class Call:
+    """One API call, parsed: the engine requests to submit (one per prompt, each with its n choices) and how to
+    answer them."""
+    chat: bool
+    requests: list[Request]
+    texts: list[str]  # each prompt's text (completions' echo puts it before the completion)
+    stream: bool = False
+    include_usage: bool = False  # stream_options: usage in a last chunk
+    continuous_usage: bool = False  # stream_options (vLLM): usage so far in every chunk
+    n: int = 1  # choices per prompt: choice index = prompt index * n + the engine's choice index
+    logprobs: int | None = None  # alternatives per token in the answer; None: no logprobs
+    echo: bool = False
+    ignored: tuple[str, ...] = ()  # unknown fields, ignored (the server logs them)
+
+
+def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
+                  compile_grammar: Callable[[Constraint], Grammar] | None = None, special: bool = True) -> Call:
+    """A request body -> Call; BadRequest names what is wrong. max_len: the most positions a sequence may take,
+    prompt and completion (chat's max_tokens defaults to what the prompt leaves of it); max_chars: the longest
+    prompt text worth tokenizing (see check_chars); compile_grammar: a structured-output constraint -> its
+    compiled grammar (ValueError for a bad one); special: whether special tokens' names in a completion prompt
+    are those tokens (see completion_prompts)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    for name in NOT_SERVED:
+        if body.get(name) is not None:
+            raise BadRequest(f"{name} is not supported by this server (no tool calling)", name)
+    for name, only in ONLY.items():
+        if body.get(name) is not None and body[name] != only:
+            raise BadRequest(f"{name}={json.dumps(body[name])[:50]} is not supported; leave it out or pass "
+                             f"{json.dumps(only)}", name)
+    get(body, "model", "string")  # any served name is served by the one model
+    get(body, "user", "string")
+    if chat:
+        prompts, texts = [chat_prompt(body, tokenizer, max_chars)], [""]
+    else:
+        prompts, texts = completion_prompts(body, tokenizer, max_chars, special)
+    call = Call(chat, [], texts, ignored=tuple(sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))))
+    call.echo = not chat and get(body, "echo", "boolean", False)
+    call.logprobs = logprobs_of(body, chat)
+    call.stream, call.include_usage, call.continuous_usage = stream_of(body)
+    call.n = get(body, "n", "integer", 1)
+    best_of = get(body, "best_of", "integer", call.n) if not chat else call.n
+    if not 1 <= call.n <= best_of or len(prompts) * best_of > MAX_CHOICES:
+        name = "n" if call.n < 1 or chat or best_of == call.n else "best_of"
+        raise BadRequest(f"need 1 <= n <= best_of and prompts x best_of <= {MAX_CHOICES}; got n={call.n}, "
+                         f"best_of={best_of} and {len(prompts)} prompts", name)
+    if call.stream and best_of > call.n:
+        raise BadRequest("best_of > n cannot stream: the best are known only at the end", "best_of")
+    params = sampling_params(body, tokenizer.vocab_size)
+    stop = stop_of(body)
+    seed = get(body, "seed", "integer")
+    if seed is not None and not 0 <= seed < 2 ** 64:
+        raise BadRequest(f"seed must be in [0, 2**64), got {seed}", "seed")
+    grammar = grammar_of(body, compile_grammar)
+    echo_logprobs = call.logprobs if call.echo else None
+    for prompt in prompts:
+        call.requests.append(Request(prompt, params, max_tokens_of(body, chat, len(prompt), max_len, call.echo),
+                                     stop, seed, grammar=grammar, n=call.n, best_of=best_of,
+                                     logprobs=call.logprobs, prompt_logprobs=echo_logprobs))
+    return call
+
+
+def parse_json(raw: bytes):
+    """A request body's JSON; BadRequest for what is not JSON, or is nested too deeply, or holds no text."""
+    try:
+        try:
+            body = json.loads(raw)
+        except ValueError as e:  # also bad UTF-8
+            raise BadRequest(f"the request body is not valid JSON: {e}") from None
+        check_unicode(body)
+        return body
+    except RecursionError:  # json.loads
+        raise BadRequest("the request body is nested too deeply") from None
+
+
+def parse_body(raw: bytes, chat: bool, tokenizer, **limits) -> Call:
+    """parse_request of a raw body (limits: parse_request's keyword arguments). Run on a worker thread: a large
+    body takes a while to parse and tokenize, and a grammar to compile."""
+    body = parse_json(raw)
+    try:
+        return parse_request(body, chat, tokenizer, **limits)
+    except RecursionError:  # json.dumps quoting a value in a message
+        raise BadRequest("the request body is nested too deeply") from None
+
+
+def parse_tokenize(body, tokenizer, max_chars: int) -> list[int]:
+    """POST /tokenize (vLLM's shape): {"prompt": text, "add_special_tokens": true} or {"messages": [...]} -> ids.
+    add_special_tokens: a BOS first and special tokens' names as those tokens (the completions prompt's reading);
+    messages are rendered with the chat template, as a chat request's prompt."""
+    if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+        raise BadRequest("the request must be an object with a prompt (a string) or messages (an array)")
+    if "messages" in body:
+        return chat_prompt(body, tokenizer, max_chars)
+    prompt = get(body, "prompt", "string")
+    if prompt is None:
+        raise BadRequest("prompt must be a string", "prompt")
+    check_chars(prompt, max_chars, "prompt")
+    special = get(body, "add_special_tokens", "boolean", True)
+    return tokenizer.encode(prompt, bos=None if special else False, special=special)
+
+
+def parse_detokenize(body, tokenizer) -> str:
+    """POST /detokenize (vLLM's shape): {"tokens": [ids]} -> their text."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise BadRequest("tokens must be an array of token ids", "tokens")
+    bad = [t for t in tokens if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+        raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})", "tokens")
+    return tokenizer.decode(tokens)
+
+
+def logprobs_of(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token a call asks for, None for no logprobs: chat's logprobs (boolean) with
+    top_logprobs (0-20), completions' logprobs (an integer, 0-20)."""
+    if chat:
+        top = get(body, "top_logprobs", "integer")
+        if not get(body, "logprobs", "boolean", False):
+            if top:
+                raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        name, n = "top_logprobs", top or 0
+    else:
+        name, n = "logprobs", get(body, "logprobs", "integer")
+        if n is None:
+            return None
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise BadRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}", name)
+    return n
+
+
+def stream_of(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats)."""
+    stream = get(body, "stream", "boolean", False)
+    options = get(body, "stream_options", "object", {})
+    if options and not stream:
+        raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
+    if set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise BadRequest(f"unrecognized stream_options: {sorted(set(options) - {'include_usage'})}", "stream_options")
+    return (stream, get(options, "include_usage", "boolean", False),
+            get(options, "continuous_usage_stats", "boolean", False))
+
+
+def max_tokens_of(body: dict, chat: bool, prompt_tokens: int, max_len: int, echo: bool) -> int:
+    """The tokens a prompt may generate: max_tokens (chat: or max_completion_tokens), 0 only with echo (the prompt's
+    logprobs alone, as lm-eval asks for them)."""
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    asked = get(body, name, "integer")
+    if asked is not None and asked < (0 if echo else 1):
+        raise BadRequest(f"{name} must be >= {0 if echo else 1}, got {asked}", name)
+    if asked == 0:
+        return 0
+    try:  # as OpenAI and vLLM: a 400, not a completion silently cut at the context
+        return fit_new_tokens(asked, None if chat else COMPLETION_MAX_TOKENS, prompt_tokens, max_len, name,
+                              "the context")
+    except ValueError as e:
+        raise BadRequest(str(e), name) from None
+
+
+def stop_of(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop must be a non-empty string or an array of non-empty strings", "stop")
+    try:
+        check_stop(stop)  # their number and length: the engine thread scans for them at every token
+    except ValueError as e:
+        raise BadRequest(str(e), "stop") from None
+    return stop
+
+
+def grammar_of(body: dict, compile_grammar: Callable[[Constraint], Grammar] | None) -> Grammar | None:
+    asked = constraint_of(body)
+    if asked is None:
+        return None
+    if compile_grammar is None:
+        raise BadRequest("structured output is not served here", asked[1])
+    try:
+        return compile_grammar(asked[0])
+    except ValueError as e:
+        raise BadRequest(str(e), asked[1]) from None
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """An error in OpenAI's format."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def finish_reason(event: Event) -> str:
+    return "stop" if event.finish_reason == "eos" else event.finish_reason  # OpenAI says "stop" for both
+
+
+def token_entry(tokenizer, token_id: int, logprob: float) -> dict:
+    """A token in chat's logprobs: its text, log-probability and UTF-8 bytes (a token may be part of a character:
+    its text is then U+FFFD, its bytes the truth)."""
+    raw = tokenizer.token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def chat_logprobs(tokens: list[Token], tokenizer) -> dict:
+    """choices[i].logprobs of chat: logprobs.content, one entry per token with its top alternatives."""
+    return {"content": [{**token_entry(tokenizer, t.id, t.logprob),
+                         "top_logprobs": [token_entry(tokenizer, i, lp) for i, lp in t.top]} for t in tokens],
+            "refusal": None}
+
+
+def completion_logprobs(ids: list[int], tokens: list[Token | None], tokenizer, offset: int) -> dict:
+    """choices[i].logprobs of completions (the legacy shape): token texts, their log-probabilities (None for a
+    prompt's first token, which nothing predicts), a {text: logprob} of alternatives each (the token's own
+    included, as vLLM does) and each token's character offset in prompt + completion, from `offset`."""
+    texts = [tokenizer.token_text(i) for i in ids]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    tops = [None if t is None else {**{tokenizer.token_text(i): lp for i, lp in t.top}, text: t.logprob}
+            for t, text in zip(tokens, texts)]
+    return {"tokens": texts, "token_logprobs": [None if t is None else t.logprob for t in tokens],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+@dataclass
+class Choice:
+    """One choice of an answer as its events arrive."""
+    index: int
+    prompt: int  # which of the call's prompts
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    tokens: list[Token] = field(default_factory=list)
+    prompt_tokens: list[Token | None] | None = None  # echo's logprobs of the prompt
+    finish_reason: str | None = None
+    started: bool = False
+
+
+class Answer:
+    """The answer to one Call, built from its engine events: the whole body (stream=False) or the stream's chunks
+    (stream=True). i in add(i, event) is the prompt's index in call.requests."""
+
+    def __init__(self, call: Call, tokenizer, head: dict):
+        self.call, self.tokenizer, self.head = call, tokenizer, head
+        self.choices = [Choice(p * call.n + k, p) for p in range(len(call.requests)) for k in range(call.n)]
+        self.last: dict[tuple[int, int], Event] = {}  # (prompt, engine choice) -> its latest event: usage
+
+    def add(self, i: int, event: Event) -> list[str]:
+        """Take one event; the SSE data lines it makes when streaming."""
+        self.last[i, event.index] = event
+        c = self.choices[i * self.call.n + event.index]
+        new_ids, new_tokens, text = list(event.token_ids), list(event.tokens or []), event.text
+        prefix = not c.started and self.call.echo
+        if prefix:  # echo: the prompt comes first, with its logprobs when asked
+            text = self.call.texts[i] + text
+            prompt = self.call.requests[i].prompt
+            new_ids = [*prompt, *new_ids]
+            if event.prompt_logprobs is not None:
+                c.prompt_tokens = event.prompt_logprobs
+                new_tokens = [*event.prompt_logprobs, *new_tokens]
+        offset = len(c.text)
+        c.started, c.text = True, c.text + text
+        c.ids += new_ids
+        c.tokens += new_tokens
+        if event.finished:
+            c.finish_reason = finish_reason(event)
+        if not self.call.stream:
+            return []
+        chunks = []
+        if text or new_ids or event.finished:
+            reason = c.finish_reason if event.finished else None
+            chunks.append(self.chunk([self.choice_body(c, text, new_ids, new_tokens, offset, reason, True)]))
+        return chunks
+
+    def opening(self) -> list[str]:
+        """The stream's first chunks: chat's carry each choice's role."""
+        if not self.call.chat:
+            return []
+        return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]) for c in self.choices]
+
+    def closing(self) -> list[str]:
+        return [self.chunk([], self.usage(), final=True)] if self.call.include_usage else []
+
+    def chunk(self, choices: list[dict], used: dict | None = None, final: bool = False) -> str:
+        data = {**self.head, "choices": choices}
+        if final or self.call.continuous_usage:
+            data["usage"] = used or self.usage()
+        elif self.call.include_usage:
+            data["usage"] = None  # OpenAI: null in every chunk but the last
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def body(self) -> dict:
+        return {**self.head, "choices": [self.choice_body(c, c.text, c.ids, c.tokens, 0, c.finish_reason, False)
+                                         for c in self.choices], "usage": self.usage()}
+
+    def choice_body(self, c: Choice, text: str, ids: list[int], tokens: list, offset: int, reason: str | None,
+                    stream: bool) -> dict:
+        """A choice of the body (stream=False) or of a chunk (its text, ids and tokens since the last chunk)."""
+        logprobs = None
+        if self.call.logprobs is not None and self.call.chat:
+            logprobs = chat_logprobs(tokens, self.tokenizer)
+        elif self.call.logprobs is not None:
+            if len(tokens) < len(ids):  # echo without prompt logprobs cannot happen: logprobs asks for them
+                tokens = [None] * (len(ids) - len(tokens)) + tokens
+            if not self.call.echo:
+                offset += len(self.call.texts[c.prompt])  # offsets count from the prompt's start, as OpenAI's
+            logprobs = completion_logprobs(ids, tokens, self.tokenizer, offset)
+        if not self.call.chat:
+            return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        if not stream:
+            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+                    "finish_reason": reason}
+        return {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                "finish_reason": reason}
+
+    def usage(self) -> dict:
+        """Tokens of the whole call: each prompt counted once, every choice's completion."""
+        prompts = {i: e for (i, _), e in self.last.items()}
+        prompt_tokens = sum(e.prompt_tokens for e in prompts.values())
+        completion = sum(e.completion_tokens for e in self.last.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(e.cached_tokens for e in prompts.values())}}

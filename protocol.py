@@ -71,9 +71,9 @@ def sampling_params(body: dict, vocab_size: int) -> SamplingParams:
     min_tokens = get(body, "min_tokens", "integer", 0)
     if min_tokens < 0:
         raise BadRequest(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
+    ignore_eos = get(body, "ignore_eos", "boolean", False)
     try:
-        return SamplingParams(**values, logit_bias=tuple(sorted(bias)), min_tokens=min_tokens,
-                              ignore_eos=get(body, "ignore_eos", "boolean", False))
+        return SamplingParams(**values, logit_bias=tuple(sorted(bias)), min_tokens=min_tokens, ignore_eos=ignore_eos)
     except ValueError as e:  # its messages start with the parameter's name
         name = str(e).split()[0]
         raise BadRequest(str(e), name if name in SAMPLING else None) from None
@@ -307,8 +307,8 @@ def parse_body(raw: bytes, chat: bool, tokenizer, **limits) -> Call:
 
 def parse_tokenize(body, tokenizer, max_chars: int) -> list[int]:
     """POST /tokenize (vLLM's shape): {"prompt": text, "add_special_tokens": true} or {"messages": [...]} -> ids.
-    add_special_tokens: a BOS first and special tokens' names as those tokens (the completions prompt's reading);
-    messages are rendered with the chat template, as a chat request's prompt."""
+    add_special_tokens: the tokenizer's BOS first (special tokens' names are those tokens either way, as in a
+    completions prompt); messages are rendered with the chat template, as a chat request's prompt."""
     if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
         raise BadRequest("the request must be an object with a prompt (a string) or messages (an array)")
     if "messages" in body:
@@ -317,8 +317,7 @@ def parse_tokenize(body, tokenizer, max_chars: int) -> list[int]:
     if prompt is None:
         raise BadRequest("prompt must be a string", "prompt")
     check_chars(prompt, max_chars, "prompt")
-    special = get(body, "add_special_tokens", "boolean", True)
-    return tokenizer.encode(prompt, bos=None if special else False, special=special)
+    return tokenizer.encode(prompt, bos=None if get(body, "add_special_tokens", "boolean", True) else False)
 
 
 def parse_detokenize(body, tokenizer) -> str:

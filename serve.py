@@ -232,7 +232,7 @@ class Server:
         (see events())."""
         self.state, self.why = state, why
         for queue in list(self.open):
-            queue.put_nowait((time.perf_counter(), None))
+            queue.put_nowait((time.perf_counter(), None, None))
 
     def begin_shutdown(self) -> None:
         """SIGTERM or SIGINT (on the event loop): stop admitting and drain; a second signal ends the rest now."""
@@ -440,6 +440,12 @@ def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = T
         except BadRequest as e:
             return error(400, str(e), param=e.param)
         return JSONResponse({"count": len(ids), "max_model_len": server.max_len, "tokens": ids, "token_strs": None})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:  # vLLM's: what lm-eval's tokenizer_backend=remote reads
+        return JSONResponse({"tokenizer_class": "tinyllm", "bos_token": tokenizer.bos_token,
+                             "eos_token": tokenizer.eos_token, "pad_token": None,
+                             "chat_template": tokenizer.chat_template, "model_max_length": server.max_len})
 
     @app.post("/detokenize")
     async def detokenize(http: HTTPRequest) -> Response:

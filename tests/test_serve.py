@@ -260,11 +260,12 @@ def test_malformed_json_is_400(server):
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
-    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "max_tokens": "3"}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
-    ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": "hi", "suffix": "!"}, "suffix"),
+    ({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": [1, 10 ** 9]}, "prompt"),
 ])

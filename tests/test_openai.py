@@ -1,0 +1,213 @@
+"""The OpenAI surface that clients call, through the official `openai` client against the app in this process
+(over the reference model, float32 SmolLM2): logprobs on both endpoints, echo with the prompt's logprobs, batched
+prompts, n and best_of, logit_bias, min_tokens / ignore_eos, continuous usage, unknown fields, models.retrieve,
+/tokenize and /detokenize. Each answer is checked against the in-process model."""
+import asyncio
+import math
+
+import openai
+import pytest
+import torch
+
+from decode import generate
+from engine import Engine, EngineConfig
+from gate import ServeConfig
+from sample import SamplingParams
+from serve import make_app
+
+try:
+    import httpx2 as httpx  # the maintained HTTPX, which the openai client depends on
+except ImportError:
+    import httpx
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+LOCAL = "http://127.0.0.1:8000"
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    return smollm2
+
+
+def call(reference, fn, **config):
+    """Run `await fn(client, http)` against a fresh app over the reference model (its engine on a thread)."""
+    model, tokenizer = reference
+    engine = Engine(model, tokenizer, EngineConfig(num_blocks=128, max_running=8, token_budget=64))
+    app = make_app(engine, tokenizer, "m", config=ServeConfig(**config))
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=LOCAL, timeout=120) as h:
+                client = openai.AsyncOpenAI(base_url=f"{LOCAL}/v1", api_key="x", http_client=h, max_retries=0)
+                return await fn(client, h)
+
+    return asyncio.run(main())
+
+
+def greedy_tokens(reference, prompt: list[int], n: int, logprobs: int):
+    model, tokenizer = reference
+    return list(generate(model, prompt, n, params=SamplingParams(), stop_ids=tokenizer.eos_ids, logprobs=logprobs))
+
+
+def teacher_forced(model, ids: list[int]) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= 1, from one uncached forward."""
+    logits = model(torch.tensor([ids]), all_logits=True)[0].float()  # (T, V)
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def test_chat_and_completion_logprobs_are_the_models(reference):
+    """Greedy: each token's logprob and its top alternatives equal decode.generate(logprobs=N)'s; streaming
+    gives the same entries in pieces."""
+    model, tok = reference
+
+    async def fn(c, h):
+        chat = await c.chat.completions.create(model="m", messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                               top_logprobs=3)
+        chunks = [x async for x in await c.chat.completions.create(
+            model="m", messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True)]
+        comp = await c.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+        return chat, chunks, comp
+
+    chat, chunks, comp = call(reference, fn)
+    want = greedy_tokens(reference, tok.encode_chat(CHAT), 6, 3)
+    content = chat.choices[0].logprobs.content
+    assert [e.token for e in content] == [tok.token_text(t.id) for t in want]
+    for e, t in zip(content, want):
+        assert math.isclose(e.logprob, t.logprob, abs_tol=1e-5)
+        assert [a.token for a in e.top_logprobs] == [tok.token_text(i) for i, _ in t.top] and len(t.top) == 3
+        assert bytes(e.bytes) == tok.token_bytes(t.id)
+    streamed = [e for x in chunks if x.choices and x.choices[0].logprobs for e in x.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]  # the prompt now comes from the prefix cache:
+    assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-5) for a, b in zip(streamed, content))  # ~1e-6 off
+    want = greedy_tokens(reference, tok.encode(PROMPT), 6, 2)
+    lp = comp.choices[0].logprobs
+    assert lp.tokens == [tok.token_text(t.id) for t in want]
+    assert all(math.isclose(a, t.logprob, abs_tol=1e-5) for a, t in zip(lp.token_logprobs, want))
+    assert all(len(top) >= 2 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == len(PROMPT)
+
+
+def test_echo_gives_the_prompts_teacher_forced_logprobs_even_from_the_prefix_cache(reference):
+    """lm-eval's loglikelihood request: echo, logprobs=1, max_tokens 0 or 1. The prompt's logprobs equal one
+    uncached forward's; sent twice (the second finds its blocks in the prefix cache) they are still there."""
+    model, tok = reference
+    text = "The capital of France is Paris, and the capital of Italy is Rome. " * 3
+    ids = tok.encode(text)
+
+    async def fn(c, h):
+        return [await c.completions.create(model="m", prompt=ids, max_tokens=m, temperature=0, echo=True,
+                                           logprobs=1) for m in (0, 1, 0)]
+
+    answers = call(reference, fn)
+    want = teacher_forced(model, ids)
+    for r, m in zip(answers, (0, 1, 0)):
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(ids) + m and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:len(ids)], want)) < 1e-4
+        assert r.choices[0].text.startswith(tok.decode(ids)) and r.usage.completion_tokens == m
+    assert answers[1].usage.prompt_tokens == len(ids)
+
+
+def test_a_batch_of_prompts_answers_each_as_alone(reference):
+    prompts = [PROMPT, "Once upon a time", [1, 2, 3, 4]]
+
+    async def fn(c, h):
+        batch = await c.completions.create(model="m", prompt=prompts, max_tokens=8, temperature=0.9, seed=3)
+        alone = [await c.completions.create(model="m", prompt=p, max_tokens=8, temperature=0.9, seed=3)
+                 for p in prompts]
+        return batch, alone
+
+    batch, alone = call(reference, fn)
+    assert [ch.index for ch in batch.choices] == [0, 1, 2]
+    assert [ch.text for ch in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+
+
+def test_n_choices_share_a_prompt_and_best_of_keeps_the_likeliest(reference):
+    """n=3 with a seed: choice 0 is the n=1 answer with that seed, the others differ; best_of=3 returns the choice
+    of n=3 (the same seeds) with the highest cumulative logprob; streaming indexes the choices."""
+    async def fn(c, h):
+        kw = dict(model="m", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=11)
+        three = await c.completions.create(n=3, logprobs=0, **kw)
+        one = await c.completions.create(n=1, **kw)
+        best = await c.completions.create(n=1, best_of=3, logprobs=0, **kw)
+        chat = await c.chat.completions.create(model="m", messages=CHAT, max_tokens=5, temperature=1.0, seed=5, n=2)
+        stream = [x async for x in await c.chat.completions.create(model="m", messages=CHAT, max_tokens=5,
+                                                                   temperature=1.0, seed=5, n=2, stream=True)]
+        return three, one, best, chat, stream
+
+    three, one, best, chat, stream = call(reference, fn)
+    assert [ch.index for ch in three.choices] == [0, 1, 2]
+    assert three.choices[0].text == one.choices[0].text
+    assert len({ch.text for ch in three.choices}) > 1
+    score = [sum(ch.logprobs.token_logprobs) for ch in three.choices]
+    assert best.choices[0].text == three.choices[score.index(max(score))].text
+    assert three.usage.completion_tokens == sum(len(ch.logprobs.tokens) for ch in three.choices)
+    texts = {i: "".join(x.choices[0].delta.content or "" for x in stream if x.choices and x.choices[0].index == i)
+             for i in (0, 1)}
+    assert texts == {i: chat.choices[i].message.content for i in (0, 1)}
+
+
+def test_logit_bias_bans_and_forces_tokens(reference):
+    model, tok = reference
+    first = greedy_tokens(reference, tok.encode(PROMPT), 1, 0)[0].id
+    forced = tok.encode(" banana", bos=False)[0]
+
+    async def fn(c, h):
+        banned = await c.completions.create(model="m", prompt=PROMPT, max_tokens=1, temperature=0,
+                                            logit_bias={str(first): -100})
+        pushed = await c.completions.create(model="m", prompt=PROMPT, max_tokens=3, temperature=0.7, seed=1,
+                                            logit_bias={str(forced): 100})
+        return banned, pushed
+
+    banned, pushed = call(reference, fn)
+    assert banned.choices[0].text != tok.decode([first])
+    assert pushed.choices[0].text == tok.decode([forced] * 3)
+
+
+def test_min_tokens_and_ignore_eos(reference):
+    """Chat greedy ends with the end of turn within a few tokens; min_tokens holds it off, ignore_eos runs on."""
+    async def fn(c, h):
+        kw = dict(model="m", messages=[{"role": "user", "content": "Say yes."}], temperature=0)
+        plain = await c.chat.completions.create(max_tokens=100, **kw)
+        held = await c.chat.completions.create(max_tokens=100, extra_body={"min_tokens": plain.usage.completion_tokens
+                                                                           + 5}, **kw)
+        on = await c.chat.completions.create(max_tokens=plain.usage.completion_tokens + 8,
+                                             extra_body={"ignore_eos": True}, **kw)
+        return plain, held, on
+
+    plain, held, on = call(reference, fn)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 90
+    assert held.usage.completion_tokens >= plain.usage.completion_tokens + 5
+    assert (on.choices[0].finish_reason, on.usage.completion_tokens) == ("length", plain.usage.completion_tokens + 8)
+
+
+def test_continuous_usage_unknown_fields_models_and_tokenizer_routes(reference):
+    model, tok = reference
+
+    async def fn(c, h):
+        chunks = [x async for x in await c.completions.create(
+            model="m", prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True})]
+        odd = await c.chat.completions.create(model="m", messages=CHAT, max_tokens=2, temperature=0,
+                                              extra_body={"store": False, "metadata": {"a": "b"},
+                                                          "parallel_tool_calls": False, "reasoning_effort": "low"})
+        listed = [m.id for m in (await c.models.list()).data]
+        alias = await c.models.retrieve("alias")
+        with pytest.raises(openai.NotFoundError):
+            await c.models.retrieve("nope")
+        ids = (await h.post("/tokenize", json={"prompt": PROMPT})).json()
+        text = (await h.post("/detokenize", json={"tokens": ids["tokens"]})).json()
+        info = (await h.get("/tokenizer_info")).json()
+        return chunks, odd, listed, alias, ids, text, info
+
+    chunks, odd, listed, alias, ids, text, info = call(reference, fn, aliases=("alias",))
+    used = [x.usage.completion_tokens for x in chunks if x.usage is not None]
+    assert len(used) == len(chunks) and used == sorted(used) and used[-1] == 5
+    assert odd.choices[0].message.content
+    assert listed == ["m", "alias"] and alias.id == "alias"
+    assert ids["tokens"] == tok.encode(PROMPT) and ids["count"] == len(ids["tokens"])
+    assert text == {"prompt": PROMPT}
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template

@@ -351,13 +351,11 @@ def logprobs_of(body: dict, chat: bool) -> int | None:
 
 
 def stream_of(body: dict) -> tuple[bool, bool, bool]:
-    """(stream, include_usage, continuous_usage_stats)."""
+    """(stream, include_usage, continuous_usage_stats); other stream_options are ignored, as other fields are."""
     stream = get(body, "stream", "boolean", False)
     options = get(body, "stream_options", "object", {})
     if options and not stream:
         raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
-    if set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise BadRequest(f"unrecognized stream_options: {sorted(set(options) - {'include_usage'})}", "stream_options")
     return (stream, get(options, "include_usage", "boolean", False),
             get(options, "continuous_usage_stats", "boolean", False))
 
@@ -535,7 +533,7 @@ class Answer:
     def usage(self) -> dict:
         """Tokens of the whole call: each prompt counted once, every choice's completion."""
         prompts = {i: e for (i, _), e in self.last.items()}
-        prompt_tokens = sum(e.prompt_tokens for e in prompts.values())
+        prompt_tokens = sum(len(r.prompt) for r in self.call.requests)
         completion = sum(e.completion_tokens for e in self.last.values())
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,

@@ -4,6 +4,7 @@ prompts, n and best_of, logit_bias, min_tokens / ignore_eos, continuous usage, u
 /tokenize and /detokenize. Each answer is checked against the in-process model."""
 import asyncio
 import math
+import os
 
 import openai
 import pytest
@@ -211,3 +212,81 @@ def test_continuous_usage_unknown_fields_models_and_tokenizer_routes(reference):
     assert ids["tokens"] == tok.encode(PROMPT) and ids["count"] == len(ids["tokens"])
     assert text == {"prompt": PROMPT}
     assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+
+
+# ---- lm-evaluation-harness against a real HTTP server ----
+
+@pytest.fixture(scope="module")
+def default_model(smollm2_gguf):
+    """SmolLM2 as serve.py loads it by default in float32 (the file's Q4_1 linears as int4 codes)."""
+    from load import load_model
+    from tokenizer import load_tokenizer
+
+    model, path = load_model(smollm2_gguf, "cpu", torch.float32)
+    return model.eval(), load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def http_server(default_model):
+    """The app over default_model, served by uvicorn on a free loopback port from a thread: its base URL."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    model, tokenizer = default_model
+    app = make_app(Engine(model, tokenizer, EngineConfig(num_blocks=256, max_running=8)), tokenizer, "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        assert thread.is_alive(), "uvicorn did not start"
+        threading.Event().wait(0.05)
+    yield f"http://127.0.0.1:{port}"
+    http.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.mark.slow
+def test_lm_eval_loglikelihoods_equal_the_models(default_model, http_server, monkeypatch):
+    """lm-eval's local-completions (echo + logprobs over token lists, its tokenizer read from /tokenize) runs a
+    multiple-choice and a perplexity task from tests/data/lm_eval; every log-likelihood it got equals the
+    in-process model's teacher-forced one within 1e-4."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    model, tok = default_model
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(root)  # the tasks' data_files are relative to the repository
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"model=m,base_url={http_server}/v1/completions,tokenizer_backend=remote,tokenized_requests=True,"
+                   "num_concurrent=1,max_retries=1,batch_size=4",
+        tasks=["tinyllm_mc", "tinyllm_ppl"], task_manager=TaskManager(include_path="tests/data/lm_eval"),
+        log_samples=True)
+    assert out["results"]["tinyllm_mc"]["acc,none"] >= 0.6  # a real model gets the easy ones right
+    eos = tok.encode(tok.eos_token, bos=False)
+    for sample in out["samples"]["tinyllm_mc"]:
+        for (context, continuation), [(ll, _)] in zip(sample["arguments"], sample["resps"]):
+            ctx, cont = lm_eval_pair(tok, context, continuation)
+            want = sum(teacher_forced(model, ctx + cont)[len(ctx) - 1:])
+            assert abs(ll - want) < 1e-4, (context, continuation, ll, want)
+    for sample in out["samples"]["tinyllm_ppl"]:
+        ids = tok.encode(sample["doc"]["text"], bos=False)
+        want = sum(teacher_forced(model, eos + ids))  # one window, after lm-eval's prefix token (the EOS)
+        assert abs(sample["resps"][0][0] - want) < 1e-4
+
+
+def lm_eval_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's split of a (context, continuation) into tokens: trailing spaces go to the continuation, the
+    whole is encoded and cut after the context's tokens."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole, ctx = tok.encode(context + continuation, bos=False), tok.encode(context, bos=False)
+    return ctx, whole[len(ctx):]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import engine as engine_module
+import scheduler
 from step import Step
 from engine import Engine, EngineConfig, QueueFull, Request
 from helpers import ROOT, ToyTokenizer
@@ -64,12 +65,12 @@ def test_prefix_hit_verifies_tokens(model):
     prompts = random_prompts([20, 20], seed=3)
     expected = [greedy_ids(model, p, 8) for p in prompts]
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60))
-    original = engine_module.chain_hash
+    original = scheduler.chain_hash
     try:
-        engine_module.chain_hash = lambda previous, tokens: previous * 31 + len(tokens)  # collides on every block
+        scheduler.chain_hash = lambda previous, tokens: previous * 31 + len(tokens)  # collides on every block
         got = [eng.generate([p], max_tokens=8)[0] for p in prompts]
     finally:
-        engine_module.chain_hash = original
+        scheduler.chain_hash = original
     assert [c.tokens for c in got] == expected
     assert got[1].prefilled == 20  # nothing reused: the tokens did not match
 

@@ -12,9 +12,11 @@ Scheduler.schedule() is the middle of every Engine.step:
 BlockManager owns the blocks (kvcache.BlockPool): the free list, a reference count per block and the prefix cache.
 A full block is keyed by a chained hash of its tokens and everything before them; a later sequence whose tokens
 start the same way reuses those blocks (the token ids are compared too, so a hash collision cannot return wrong
-keys/values). Only full blocks are shared and a sequence only writes past its shared prefix, so no shared block
-is ever written (copy-on-write is never needed). Unreferenced cached blocks stay until memory is needed, then go
-least recently used first.
+keys/values). Unreferenced cached blocks stay until memory is needed, then go least recently used first. Two
+sequences share blocks in two ways: a prefix-cache hit (full blocks only, never written again) and a fork
+(parallel sampling: n / best_of choices of one prompt share all of its blocks). A fork's first write goes into the
+prompt's last block when that one is partial: that block is copied first, for each fork but the last holder
+(copy-on-write, as in PagedAttention), so no shared block is ever written.
 """
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -40,6 +42,8 @@ class Seq:
     blocks (n_computed)."""
     tokens: list[int]
     n_prompt: int
+    width: int = 1  # running slots it takes when admitted: a prompt that will fork into best_of takes best_of
+    reuse: bool = True  # may take blocks from the prefix cache (not while its prompt's logprobs are computed)
     blocks: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chained hash of each full block, in order
     n_computed: int = 0
@@ -73,7 +77,7 @@ class BlockManager:
     def reuse_prefix(self, seq: Seq) -> None:
         """Take the cached blocks matching the start of seq.tokens; at least one token is left to compute (its
         logits start the decoding)."""
-        while self.prefix_caching and (len(seq.blocks) + 1) * self.block_size < len(seq.tokens):
+        while self.prefix_caching and seq.reuse and (len(seq.blocks) + 1) * self.block_size < len(seq.tokens):
             h, tokens = self._next_hash(seq)
             block = self._lookup(h, tokens)
             if block is None:
@@ -91,13 +95,28 @@ class BlockManager:
             self._register(seq.blocks[len(seq.hashes) - 1], h, tokens)
 
     def grow(self, seq: Seq, n_positions: int) -> bool:
-        """Give seq blocks for positions 0..n_positions-1; False if the pool ran out."""
+        """Give seq blocks of its own for positions seq.n_computed..n_positions-1; False if the pool ran out."""
+        i = seq.n_computed // self.block_size  # the block the next position is written into, if seq has it
+        if i < len(seq.blocks) and self.refs[seq.blocks[i]] > 1:  # shared with a fork: copy on write
+            block = self._allocate()
+            if block is None:
+                return False
+            self.pool.copy_block(seq.blocks[i], block)
+            self._release(seq.blocks[i])
+            seq.blocks[i] = block
         while len(seq.blocks) * self.block_size < n_positions:
             block = self._allocate()
             if block is None:
                 return False
             seq.blocks.append(block)
         return True
+
+    def fork(self, parent: Seq, child: Seq) -> None:
+        """child holds what parent holds: the same blocks (one more reference each), hashes and computed positions."""
+        for block in parent.blocks:
+            self.refs[block] += 1
+        child.blocks, child.hashes = list(parent.blocks), list(parent.hashes)
+        child.n_computed, child.cached = parent.n_computed, parent.cached
 
     def drop(self, seq: Seq) -> None:
         """Give back seq's blocks; it holds nothing computed afterwards."""
@@ -162,6 +181,10 @@ class Scheduler:
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
 
+    def start(self, seq: Seq) -> None:
+        """Run seq from the next step on without admission: a fork, which holds its parent's blocks."""
+        self.running.append(seq)
+
     def remove(self, seq: Seq) -> None:
         """seq is done (finished, aborted or failed): out of the queues, its blocks given back."""
         if seq in self.running:
@@ -180,7 +203,7 @@ class Scheduler:
         if cfg.static_batching and self.running:
             return
         reserve = max(1, int(cfg.watermark * cfg.num_blocks))
-        while self.waiting and len(self.running) < cfg.max_running:
+        while self.waiting and len(self.running) + self.waiting[0].width <= cfg.max_running:
             seq = self.waiting[0]
             self.blocks.reuse_prefix(seq)
             needed = -(-len(seq.tokens) // cfg.block_size) - len(seq.blocks)  # to hold what it has to compute

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
+import choices as choices_module
 import decode
-import engine as engine_module
 import scheduler
 from step import Step
 from engine import Engine, EngineConfig, QueueFull, Request
@@ -176,14 +176,14 @@ def test_a_failure_fails_only_its_request_and_the_engine_serves_on(model, monkey
     model = copy.deepcopy(model)  # its forward is patched below
     prompts = random_prompts([6, 9, 12], seed=12)
     poisoned = SamplingParams(temperature=0.5)
-    real_sample_tokens = engine_module.sample_tokens
+    real_sample_tokens = choices_module.sample_tokens
 
     def sample_tokens(logits, params, *args):
         if params is poisoned:
             raise FloatingPointError("overflow in sampling")
         return real_sample_tokens(logits, params, *args)
 
-    monkeypatch.setattr(engine_module, "sample_tokens", sample_tokens)
+    monkeypatch.setattr(choices_module, "sample_tokens", sample_tokens)
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60, max_running=4))
     events = {}
     for p, params in zip(prompts, [SamplingParams(), poisoned, SamplingParams()]):
@@ -255,7 +255,7 @@ def run(eng, *requests):
     return events
 
 
-def choices(events):
+def by_choice(events):
     """A request's events -> per choice index, (token ids, finish reason, its events)."""
     out = {}
     for e in events:
@@ -286,7 +286,7 @@ def test_choice_i_is_the_request_alone_with_seed_plus_i(model, name, params):
     eng = Engine(model, ToyTokenizer(), CONFIGS[name])
     events = run(eng, *(Request(p, params, 20, seed=7 + 10 * k, n=4) for k, p in enumerate(prompts)))
     for k, p in enumerate(prompts):
-        got = choices(events[k])
+        got = by_choice(events[k])
         assert sorted(got) == [0, 1, 2, 3]
         for i, (ids, reason, _) in got.items():
             assert ids == greedy_ids(model, p, 20, params, generator=torch.Generator().manual_seed(7 + 10 * k + i))
@@ -295,7 +295,7 @@ def test_choice_i_is_the_request_alone_with_seed_plus_i(model, name, params):
         assert eng.stats()["preemptions"] > 0
     assert_no_block_held(eng)
     alone = run(eng, Request(prompts[0], params, 20, seed=7))  # n = 1: what it always gave
-    assert [t for e in alone[2] for t in e.token_ids] == choices(events[0])[0][0]
+    assert [t for e in alone[2] for t in e.token_ids] == by_choice(events[0])[0][0]
     assert [e.index for e in alone[2]] == [0] * 20 and alone[2][-1].tokens is None
 
 
@@ -331,7 +331,7 @@ def test_best_of_returns_the_n_most_likely(model):
     as one event each at the end, indexed 0 and 1."""
     prompt = random_prompts([15], seed=23)[0]
     eng = Engine(model, ToyTokenizer(), CONFIGS["roomy"])
-    four = choices(run(eng, Request(prompt, SAMPLED, 12, seed=3, n=4, logprobs=0))[0])
+    four = by_choice(run(eng, Request(prompt, SAMPLED, 12, seed=3, n=4, logprobs=0))[0])
     total = {i: sum(t.logprob for e in evs for t in e.tokens) for i, (_, _, evs) in four.items()}
     ranked = sorted(total, key=lambda i: -total[i])
     assert len(set(total.values())) == 4
@@ -396,7 +396,7 @@ def test_prompt_logprobs_equal_an_uncached_forward(model, name):
         assert got[i].logprob == pytest.approx(lp[i - 1, prompt[i]].item(), abs=1e-5)
         assert [t for t, _ in got[i].top] == lp[i - 1].topk(3).indices.tolist()
         assert [v for _, v in got[i].top] == pytest.approx(lp[i - 1].topk(3).values.tolist(), abs=1e-5)
-    again = choices(run(eng, Request(prompt, max_tokens=4, prompt_logprobs=3, n=2))[2])
+    again = by_choice(run(eng, Request(prompt, max_tokens=4, prompt_logprobs=3, n=2))[2])
     for i in (0, 1):
         evs = again[i][2]
         assert evs[0].prompt_logprobs == got and all(e.prompt_logprobs is None for e in evs[1:])

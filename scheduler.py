@@ -203,7 +203,8 @@ class Scheduler:
         if cfg.static_batching and self.running:
             return
         reserve = max(1, int(cfg.watermark * cfg.num_blocks))
-        while self.waiting and len(self.running) + self.waiting[0].width <= cfg.max_running:
+        slots = sum(s.width for s in self.running)  # a prompt still to fork keeps room for its forks
+        while self.waiting and slots + self.waiting[0].width <= cfg.max_running:
             seq = self.waiting[0]
             self.blocks.reuse_prefix(seq)
             needed = -(-len(seq.tokens) // cfg.block_size) - len(seq.blocks)  # to hold what it has to compute
@@ -213,6 +214,7 @@ class Scheduler:
             if len(seq.tokens) == seq.n_prompt:  # first admission (not a preempted sequence's return)
                 seq.cached = seq.n_computed
             self.running.append(self.waiting.popleft())
+            slots += seq.width
 
     def _plan(self) -> tuple[list[Seq], list[tuple[Seq, int]]]:
         """Every sequence in decode gets its token, then prefill chunks fill the budget. Blocks are allocated here;

@@ -326,6 +326,18 @@ def test_forks_share_the_prompt_blocks(model):
     assert (shared, separate) == (10 + 4 * 4, 4 * 14)
 
 
+def test_a_prompt_to_fork_keeps_room_for_its_forks(model):
+    """A request with n = 4 takes 4 of max_running's slots when admitted: the short prompts queued behind it wait
+    instead of filling the room its forks need (6 running sequences, over max_running)."""
+    eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=100, max_running=4, token_budget=16))
+    for k, p in enumerate(random_prompts([30, 5, 5], seed=27)):
+        eng.submit(Request(p, SAMPLED, 6, seed=0, n=4 if k == 0 else 1))
+    peak = 0
+    while eng.step():
+        peak = max(peak, eng.stats()["running"])
+    assert peak == 4 and eng.stats()["requests_finished"] == 3
+
+
 def test_best_of_returns_the_n_most_likely(model):
     """best_of = 4, n = 2: the two of the four sampled choices with the highest cumulative logprob, in that order,
     as one event each at the end, indexed 0 and 1."""

@@ -85,8 +85,9 @@ class Group:
         return len(self.finals) == self.best_of
 
     def send(self, choice: "Choice | None", event: Event) -> list[Event]:
-        """The events that go out for this one (of choice; None: an index the request ended before forking): itself,
-        or while held none, and with the last choice's end the n best, merged into one event each and re-indexed."""
+        """What goes out for choice's event (choice None: an index the request ended before forking): the event
+        itself; or, while events are held, nothing until the last choice ends, then the n best choices, each as one
+        merged event, re-indexed 0..n-1."""
         held = [] if choice is None else choice.held
         if self.holds:
             held.append(event)

@@ -1,6 +1,8 @@
 """The serving engine against decode.generate: continuous batching with chunked prefill, prefix-cache hits and
 preemption token-identical to single runs, per-request sampling, failures confined to their request, and block
-accounting. (The paged cache itself is checked against the static one in test_kvcache.py.)"""
+accounting; parallel sampling (each choice a seeded single run, forks sharing blocks, best_of ranking), logprobs, and
+prompt logprobs against an uncached forward. (The paged cache itself is checked against the static one in
+test_kvcache.py.)"""
 import copy
 import os
 import random

@@ -248,6 +248,23 @@ def test_batch_rows_and_engine_sequences_have_their_own_matchers(tiny, toy, comp
         jsonschema.validate(json.loads(s.text), PEOPLE)
 
 
+def test_each_engine_choice_has_its_own_matcher(tiny, toy, compiler):
+    """n = 3, sampled: choice i follows the grammar with a matcher of its own, as decode.generate does with seed + i."""
+    grammar = compiler.compile(Constraint("json_schema", json.dumps(PEOPLE)))
+    prompt = toy.encode("hello there", bos=False)
+    params = SamplingParams(temperature=1.0)
+    engine = Engine(tiny, toy, EngineConfig(num_blocks=64, max_running=4, token_budget=64))
+    events = []
+    engine.submit(Request(prompt, params, 40, seed=1, on_event=events.append, grammar=grammar, n=3))
+    while engine.step():
+        pass
+    for i in range(3):
+        alone = [t.id for t in generate(tiny, prompt, 40, params, torch.Generator().manual_seed(1 + i),
+                                        stop_ids=toy.eos_ids, grammar=grammar)]
+        assert [t for e in events if e.index == i for t in e.token_ids] == alone
+        jsonschema.validate(json.loads("".join(e.text for e in events if e.index == i)), PEOPLE)
+
+
 def test_unconstrained_generation_is_unchanged(tiny, toy, compiler):
     """A request without a grammar decodes as before, beside one with a grammar in the same engine batch."""
     prompt = toy.encode("hello", bos=False)

@@ -134,7 +134,8 @@ def test_choices_are_indexed_prompt_times_n_and_usage_counts_each_prompt_once(sm
     body = answer.body()
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "p0c0"), (1, "p0c1"), (2, "p1c0"),
                                                                    (3, "p1c1")]
-    assert body["usage"]["prompt_tokens"] == 5 + 6 and body["usage"]["completion_tokens"] == 4
+    prompt_tokens = sum(len(r.prompt) for r in call.requests)  # each prompt once, not once per choice
+    assert body["usage"]["prompt_tokens"] == prompt_tokens and body["usage"]["completion_tokens"] == 4
 
 
 def test_chat_stream_chunks_carry_logprobs_and_usage(smollm2_tokenizer):

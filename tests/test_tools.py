@@ -383,3 +383,61 @@ def test_constrained_calls_validate(smollm2, choice):
             assert calls[0]["function"]["name"] == name
             jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), tool["function"]["parameters"])
 
+
+# ---- the CLI ----
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--prompt", "hi", "--tools", "T"], "error: --tools needs --chat"),
+    (["--chat", "--prompt", "hi", "--tool-choice", "auto"], "error: --tool-choice needs --tools"),
+    (["--chat", "--prompt", "hi", "--tools", "T", "--json-object"], "error: --tools constrains the calls itself"),
+    (["--chat", "--prompt", "hi", "--tools", "missing.json"], "error: tools file 'missing.json' does not exist"),
+    (["--chat", "--prompt", "hi", "--tools", "T", "--tool-choice", "get_time"],
+     "error: --tools T: tool_choice.function.name \"get_time\" is not one of the tools' names (get_weather)"),
+    (["--chat", "--prompt", "hi", "--tools", "BAD"], "error: --tools BAD: tools[0].function.name must be"),
+])
+def test_cli_bad_tool_flags_are_one_line(cli_error, tmp_path, monkeypatch, flags, fragment):
+    import generate
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "T").write_text(json.dumps([WEATHER]))
+    (tmp_path / "BAD").write_text(json.dumps([{"type": "function", "function": {"description": "no name"}}]))
+    assert cli_error(generate.main, flags).startswith(fragment)
+
+
+def test_cli_tool_results(monkeypatch):
+    """/tool ID RESULT answers a call of the last reply; the model replies once every call has its result."""
+    import generate
+
+    calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+             {"id": "b", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": calls}]
+    assert generate.tool_result(messages, '/tool a {"t": 1}') is True  # b still waits
+    assert messages[-1] == {"role": "tool", "tool_call_id": "a", "content": '{"t": 1}'}
+    with pytest.raises(ValueError, match=r"/tool takes the id of a call of the last reply \(a, b\)"):
+        generate.tool_result(messages, "/tool c 2")
+    assert generate.tool_result(messages, "/tool b 2") is False
+
+
+@pytest.mark.slow
+def test_cli_interactive_tool_round_trip(smollm2_gguf, tmp_path, monkeypatch, capsys):
+    """--interactive with a named tool choice: a call, its result with /tool, and the next reply (again a call of
+    the named function) rendered after the result."""
+    import io
+
+    import generate
+    import tools
+
+    ids = counter_ids()
+    monkeypatch.setattr(tools, "new_call_id", lambda fmt=None: ids())
+    (tmp_path / "tools.json").write_text(json.dumps([WEATHER]))
+    monkeypatch.setattr("sys.stdin", io.StringIO('/tool nope 1\n/tool call_0 {"temperature": 12}\n'))
+    assert generate.main(["--model", smollm2_gguf, "--chat", "--interactive", "--prompt", "Weather in Oslo?",
+                          "--tools", str(tmp_path / "tools.json"), "--tool-choice", "get_weather", "--seed", "0",
+                          "--max-new-tokens", "40", "--compile", "none", "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith('{"tool_calls"')]
+    assert [call["id"] for line in lines for call in line["tool_calls"]] == ["call_0", "call_1"], out
+    for line in lines:
+        jsonschema.validate(json.loads(line["tool_calls"][0]["function"]["arguments"]),
+                            WEATHER["function"]["parameters"])
+    assert "error: /tool takes the id of a call of the last reply (call_0)" in err and err.count("turn ") == 2

@@ -46,7 +46,7 @@ from speculative import ModelDraft, PromptLookupDraft, SpecStats
 from step import COMPILE_HELP, COMPILE_MODES, Step
 from text import Completion, check_stop, complete, complete_batch, completion_json
 from tokenizer import load_tokenizer
-from tools import CHOICES, ToolRequest, finish_reason, message as tool_message, parse_calls, tool_request
+from tools import CHOICES, ToolRequest, finish_reason, message as tool_message, tool_request
 
 DEFAULT_NEW_TOKENS = 200  # --max-new-tokens when not given (fewer when the prompt leaves less of the context)
 MAX_LOGPROBS = 20  # --logprobs at most, as OpenAI's top_logprobs: each alternative is decoded and printed per token
@@ -490,7 +490,7 @@ def reply(args: argparse.Namespace, tokens, tokenizer, prompt_tokens: int, prefi
         print("".join(d.get("content", "") for d in parser.finish()), end="")
         content, calls = parser.content, parser.calls
     elif tools is not None:
-        content, calls = parse_calls(c.text, tools.format if tools.mode != "none" else None)
+        content, calls = tools.parse(c.text)
     else:
         content, calls = c.text, []
     if args.json:

@@ -375,11 +375,12 @@ def _read_sentencepiece_model(path: str) -> tuple[list[str], list[float], list[i
         spec.remove_extra_whitespaces
 
 
-def template_variables(source: str) -> set[str]:
+@lru_cache(maxsize=8)
+def template_variables(source: str) -> frozenset[str]:
     """The variables a chat template reads from its context (`messages`, `tools`, ...): what it can render."""
     from jinja2 import meta
 
-    return meta.find_undeclared_variables(_template_env().parse(source))
+    return frozenset(meta.find_undeclared_variables(_template_env().parse(source)))
 
 
 def _any_string(found, value) -> bool:

@@ -326,8 +326,15 @@ class ToolRequest:
                                              self.special_trigger))
 
     def parser(self, new_id: Callable[[], str] | None = None) -> "CallParser":
-        """A parser of this request's output (for "none": one that reads every text as content)."""
+        """A parser of this request's output, streamed (for "none": one that reads every text as content)."""
         return CallParser(self.format if self.mode != "none" else None, new_id)
+
+    def parse(self, text: str) -> tuple[str, list[dict]]:
+        """(content, tool calls) of this request's whole output: what parser() gives streamed."""
+        parser = self.parser()
+        parser.feed(text)
+        parser.finish()
+        return parser.content, parser.calls
 
 
 def tool_request(tools, tool_choice, parallel_tool_calls, tokenizer, parser: str | None = None) -> ToolRequest:
@@ -345,7 +352,10 @@ def tool_request(tools, tool_choice, parallel_tool_calls, tokenizer, parser: str
     parallel = parallel_tool_calls is not False and not isinstance(tool_choice, dict)  # a named choice: one call
     request = ToolRequest(checked, mode, names, parallel, fmt, tokenizer.chat_template, special)
     if request.constraint is not None:
-        check_constraint(request.constraint)
+        try:
+            check_constraint(request.constraint)
+        except ValueError as e:  # each schema compiled alone; together they passed a limit of llguidance's
+            raise ValueError(f"tools: {e}") from None
     return request
 
 

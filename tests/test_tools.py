@@ -355,10 +355,11 @@ PROMPTS = ["What's the weather like in Paris?", "Book a meeting with Ana on the 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("choice", ["named", "required"])
-def test_constrained_calls_validate(smollm2, choice):
-    """tool_choice named or "required" at temperature 0.8: every prompt x tool schema gives one complete call whose
-    arguments are valid under the schema (jsonschema), whatever the model (a 135M model that knows no format)."""
+def test_constrained_calls_validate(smollm2):
+    """tool_choice named or "required" at temperature 0.8: every prompt gives one complete call whose arguments are
+    valid under its schema (jsonschema), whatever the model (a 135M model that knows no call format). Named: each
+    prompt x each of the three schemas (the tool alone in the prompt); required: each prompt, all three tools
+    offered, the call naming any of them."""
     from decode import generate_batch
     from sample import SamplingParams
     from text import complete_batch
@@ -366,10 +367,10 @@ def test_constrained_calls_validate(smollm2, choice):
     model, tokenizer = smollm2
     compiler = Compiler(tokenizer, model.args.vocab_size)
     generator = torch.Generator().manual_seed(0)
-    for tool in TOOLS:
-        name = tool["function"]["name"]
-        tool_choice = {"type": "function", "function": {"name": name}} if choice == "named" else "required"
-        tools = TOOLS if choice == "named" else [tool]  # required with one tool: that tool's schema every time
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    runs = [([tool], {"type": "function", "function": {"name": tool["function"]["name"]}}) for tool in TOOLS]
+    names = []
+    for tools, tool_choice in runs + [(TOOLS, "required")]:
         request = tool_request(tools, tool_choice, False, tokenizer)
         prompts = []
         for p in PROMPTS:
@@ -378,10 +379,13 @@ def test_constrained_calls_validate(smollm2, choice):
         rows = generate_batch(model, prompts, 120, SamplingParams(temperature=0.8), generator, tokenizer.eos_ids,
                               grammar=compiler.compile(request.constraint))
         for c in complete_batch(rows, tokenizer, [len(p) for p in prompts]):
-            content, calls = parse_calls(c.text, request.format)
+            content, calls = request.parse(c.text)
             assert c.finish_reason in ("eos", "stop") and content == "" and len(calls) == 1, c.text
-            assert calls[0]["function"]["name"] == name
-            jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), tool["function"]["parameters"])
+            name = calls[0]["function"]["name"]
+            assert tool_choice == "required" or name == tool_choice["function"]["name"]
+            jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schemas[name])
+            names.append(name)
+    assert len(names) == 4 * len(PROMPTS)
 
 
 # ---- the CLI ----

@@ -359,6 +359,13 @@ def tool_request(tools, tool_choice, parallel_tool_calls, tokenizer, parser: str
     return request
 
 
+def field_of(error: ValueError) -> str | None:
+    """The request field a ValueError of this module names (its message starts with it: `tools[1].function.name`,
+    `messages[3].tool_call_id`), for the error body's `param`; None for one that names none."""
+    match = re.match(r"(tools|tool_choice|parallel_tool_calls|messages)(\[[0-9]+\]|\.[a-z_]+)*", str(error))
+    return match.group() if match else None
+
+
 def finish_reason(reason: str, calls: list[dict]) -> str:
     """OpenAI's finish_reason: "tool_calls" when the output made calls and ended by itself (not cut by length)."""
     return "tool_calls" if calls and reason != "length" else reason

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grammar import Compiler
-from tools import FORMATS, CallParser, calls_lark, detect_format, finish_reason, format_named, message, \
-    parse_calls, tool_request
+from tools import FORMATS, CallParser, calls_lark, detect_format, field_of, finish_reason, format_named, \
+    message, parse_calls, tool_request
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -260,33 +260,40 @@ def test_tool_definitions_are_text_in_the_prompt(smollm2_tokenizer):
 
 # ---- checking the request ----
 
-@pytest.mark.parametrize("tools, choice, messages, match", [
-    ([], None, [], r"tools must be a non-empty array"),
-    ([{"type": "function", "function": {"description": "no name"}}], None, [], r"tools\[0\]\.function\.name must"),
-    ([WEATHER, {"type": "function", "function": {"name": "bad name"}}], None, [], r"tools\[1\]\.function\.name"),
-    ([WEATHER, WEATHER], None, [], r"tools\[1\]\.function\.name 'get_weather' is already"),
-    ([{"type": "code_interpreter"}], None, [], r"tools\[0\]\.type must be 'function'"),
+@pytest.mark.parametrize("tools, choice, messages, match, field", [
+    ([], None, [], r"tools must be a non-empty array", "tools"),
+    ([{"type": "function", "function": {"description": "no name"}}], None, [],
+     r"tools\[0\]\.function\.name must", "tools[0].function.name"),
+    ([WEATHER, {"type": "function", "function": {"name": "bad name"}}], None, [],
+     r"tools\[1\]\.function\.name", "tools[1].function.name"),
+    ([WEATHER, WEATHER], None, [], r"tools\[1\]\.function\.name 'get_weather' is already", "tools[1].function.name"),
+    ([{"type": "code_interpreter"}], None, [], r"tools\[0\]\.type must be 'function'", "tools[0].type"),
     ([{"type": "function", "function": {"name": "f", "parameters": "city"}}], None, [],
-     r"tools\[0\]\.function\.parameters must be a JSON Schema object"),
+     r"tools\[0\]\.function\.parameters must be a JSON Schema object", "tools[0].function.parameters"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None, [],
-     r"tools\[0\]\.function\.parameters must describe an object"),
+     r"tools\[0\]\.function\.parameters must describe an object", "tools[0].function.parameters"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "x": {"type": "string", "pattern": "(unclosed"}}}}}], None, [], r"tools\[0\]\.function\.parameters: invalid"),
+        "x": {"type": "string", "pattern": "(unclosed"}}}}}], None, [],
+     r"tools\[0\]\.function\.parameters: invalid", "tools[0].function.parameters"),
     ([WEATHER], {"type": "function", "function": {"name": "absent"}}, [],
-     r"tool_choice\.function\.name \"absent\" is not one of the tools' names \(get_weather\)"),
-    ([WEATHER], "sometimes", [], r"tool_choice must be one of none, auto, required"),
-    (None, "required", [], r"tool_choice 'required' needs tools"),
+     r"tool_choice\.function\.name \"absent\" is not one of the tools' names \(get_weather\)",
+     "tool_choice.function.name"),
+    ([WEATHER], "sometimes", [], r"tool_choice must be one of none, auto, required", "tool_choice"),
+    (None, "required", [], r"tool_choice 'required' needs tools", "tool_choice"),
     ([WEATHER], None, [{"role": "tool", "tool_call_id": "call_9", "content": "12 C"}],
-     r"messages\[0\]\.tool_call_id 'call_9' matches no tool call of an earlier assistant message"),
+     r"messages\[0\]\.tool_call_id 'call_9' matches no tool call of an earlier assistant message",
+     "messages[0].tool_call_id"),
     ([WEATHER], None, [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f",
                                                                                       "arguments": "{oops"}}]}],
-     r"messages\[0\]\.tool_calls\[0\]\.function\.arguments must be the JSON text of an object"),
+     r"messages\[0\]\.tool_calls\[0\]\.function\.arguments must be the JSON text of an object",
+     "messages[0].tool_calls[0].function.arguments"),
     ([WEATHER], None, [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}],
-     r"messages\[0\]\.tool_calls\[0\]\.id must be"),
+     r"messages\[0\]\.tool_calls\[0\]\.id must be", "messages[0].tool_calls[0].id"),
 ])
-def test_bad_tool_fields_name_the_field(smollm2_tokenizer, tools, choice, messages, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_tool_fields_name_the_field(smollm2_tokenizer, tools, choice, messages, match, field):
+    with pytest.raises(ValueError, match=match) as error:
         tool_request(tools, choice, None, smollm2_tokenizer).render(messages)
+    assert field_of(error.value) == field  # the error body's param
 
 
 def test_parallel_tool_calls_must_be_a_boolean(smollm2_tokenizer):

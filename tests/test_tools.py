@@ -395,6 +395,41 @@ def test_constrained_calls_validate(smollm2):
     assert len(names) == 4 * len(PROMPTS)
 
 
+
+@pytest.mark.slow
+def test_auto_constrains_a_call_once_it_opens(smollm2):
+    """tool_choice auto: text is free, but once the output writes the opening the rest is a valid call. The
+    opening is forced here (prompt and matcher both start after "Sure. <tool_call>"), the model writes the rest."""
+    from decode import generate_batch
+    from sample import SamplingParams
+    from text import complete_batch
+
+    model, tokenizer = smollm2
+    request = tool_request(TOOLS, "auto", False, tokenizer)
+    grammar = Compiler(tokenizer, model.args.vocab_size).compile(request.constraint)
+    opening = "Sure. <tool_call>"
+    opened = tokenizer.encode(opening, bos=False)
+
+    class Opened:
+        """The grammar with its matcher past the opening, as if the model had written it."""
+        def matcher(self):
+            matcher = grammar.matcher()
+            for token in opened:
+                matcher.advance(token)
+            return matcher
+
+    prompts = []
+    for p in PROMPTS[:5]:
+        messages, template_tools = request.render([{"role": "user", "content": p}])
+        prompts.append(tokenizer.encode_chat(messages, tools=template_tools) + opened)
+    rows = generate_batch(model, prompts, 120, SamplingParams(temperature=0.8), torch.Generator().manual_seed(0),
+                          tokenizer.eos_ids, grammar=Opened())
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for c in complete_batch(rows, tokenizer, [len(p) for p in prompts]):
+        content, calls = request.parse(opening + c.text)
+        assert c.finish_reason in ("eos", "stop") and content == "Sure." and len(calls) == 1, c.text
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schemas[calls[0]["function"]["name"]])
+
 # ---- the CLI ----
 
 @pytest.mark.parametrize("flags, fragment", [

@@ -9,7 +9,10 @@ chat template's text or by name. One ToolRequest per request holds the checked t
   whose arguments are valid under the function's JSON Schema, by construction whatever the model. "auto": any text,
   and once the format's opening appears (a lazy lexeme triggered by it), a valid call. "none": text that never
   opens a call;
-- parser(): a CallParser, fed the text as it streams, giving OpenAI's `delta` objects (content, tool_calls).
+- parser(): a CallParser, fed the text as it streams, giving OpenAI's `delta` objects (content, tool_calls);
+  parse(text): the same for a whole output.
+A server calls tool_request (ValueError: a 400 whose param is field_of(error)), render, encode_chat, constraint,
+then parser() or parse(), and answers with message() and finish_reason().
 """
 import json
 import re
@@ -202,12 +205,9 @@ def arguments_of(arguments, where: str) -> dict:
 
 def render_messages(messages: list[dict], tools: list[dict] | None, template: str | None,
                     fmt: Format) -> tuple[list[dict], list[dict] | None]:
-    """(messages, the template's `tools` variable) to render with the chat template. A template that reads
-    `tools` gets them as they are, each call's arguments as an object (what HF templates write with `tojson`) and
-    each tool message the name of the function it answers. One that does not gets no `tools` but the
-    fallback: the tools and the call syntax described in the system message (merged into the first one, or a new
-    one), an assistant's calls written out in its content, and tool results as user turns
-    `<tool_response>...</tool_response>` (consecutive ones in one turn). Checks the messages first."""
+    """(messages, the template's `tools` variable), the messages checked. A template that reads `tools` gets them,
+    calls' arguments as objects (HF templates write them with `tojson`) and tool messages their function's name.
+    Else the fallback: the tools described in the system message, calls written out, results as user turns."""
     check_messages(messages)
     names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls") or []}
     if "tools" in template_variables(template or ""):
@@ -387,14 +387,12 @@ def new_call_id(fmt: Format | None = None) -> str:
 
 
 class CallParser:
-    """A model's output read as it streams: feed() text pieces, get OpenAI `delta` objects back: {"content": text}
-    outside calls and {"tool_calls": [...]} for calls (index, id, type and name first, once the call's name is read,
-    then fragments of its arguments' JSON as they come). finish() at the end. Text that opens a call but is not
-    one (no JSON object with a name and arguments) is content, as it was written. Whitespace next to a call is
-    not content. fmt None: every text is content (tool_choice "none").
+    """A model's output read as it streams: feed() text pieces (then finish()), get OpenAI `delta` objects back:
+    {"content": ...} outside calls (whitespace next to a call dropped), {"tool_calls": [...]} for a call (index, id,
+    type, name once its name and arguments' "{" are read, then its arguments' JSON in fragments as they come).
 
-    A call is committed once its name and its arguments' "{" are read: cut short after that (max_tokens), it stays
-    a call with its arguments as far as they came. The constraint of ToolRequest makes every call complete."""
+    A call is committed at that point: cut short after it (max_tokens), it stays a call with its arguments as far
+    as they came. Text that opens a call but is none is content, as written. fmt None: all text is content."""
 
     def __init__(self, fmt: Format | None, new_id: Callable[[], str] | None = None):
         self.format = fmt

@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 import torch
 
-from grammar import Compiler
-from tools import FORMATS, CallParser, calls_lark, detect_format, field_of, finish_reason, format_named, \
+from grammar import Compiler, Constraint
+from tools import FORMATS, CallParser, Format, calls_lark, detect_format, field_of, finish_reason, format_named, \
     message, parse_calls, tool_request
 
 WEATHER = {"type": "function", "function": {
@@ -346,11 +346,26 @@ def test_grammars_of_each_mode(smollm2_tokenizer, compiler, fmt):
         assert accepts(compiler, tokenizer, auto, "Let me check. " + good)
 
 
-def test_a_special_token_trigger_is_named_by_id(smollm2_tokenizer):
+def test_a_special_token_trigger_is_named_by_id(smollm2_tokenizer, compiler):
     """Where the vocabulary has the trigger as one special token (Mistral's [TOOL_CALLS]), the grammar names the
-    token, never the text."""
+    token, never the text: here SmolLM2's <|im_start|> stands in for it."""
     lark = calls_lark(FORMATS["mistral"], [WEATHER], "auto", ("get_weather",), True, special_trigger=5)
     assert "open: TEXT <[5]>" in lark and "[TOOL_CALLS]" not in lark
+    tokenizer = smollm2_tokenizer
+    trigger = tokenizer.backend.token_to_id("<|im_start|>")
+    fmt = Format("special", "<|im_start|>", "arguments", ", ", array=True)
+    call = tokenizer.encode('[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]', bos=False)
+    bad = tokenizer.encode('[{"name": "get_weather", "arguments": {"city": 12}}]', bos=False)
+    text = tokenizer.encode("Sure. ", bos=False)
+    for mode, ids, ok in [("auto", text + [trigger] + call, True), ("auto", text + [trigger] + bad, False),
+                          ("auto", text, True), ("required", [trigger] + call, True), ("required", call, False),
+                          ("none", text + [trigger], False)]:
+        matcher = compiler.compile(Constraint("lark", calls_lark(fmt, [WEATHER], mode, ("get_weather",), True,
+                                                                 trigger))).matcher()
+        taken = all(matcher.matcher.consume_token(i) for i in ids)
+        assert (taken and matcher.can_end) == ok, (mode, tokenizer.decode(ids))
+    with_tag = tool_request([WEATHER], None, None, with_template(tokenizer, "{{ '<|im_start|>' }}"), "hermes")
+    assert with_tag.special_trigger is None  # <tool_call> is text in SmolLM2's vocabulary
 
 
 # ---- constrained calls on SmolLM2 ----

@@ -66,10 +66,13 @@ FORMATS = {
 }
 
 
-def detect_format(template: str | None) -> Format:
+def detect_format(template: str | None) -> Format | None:
     """The call syntax a chat template writes an assistant's tool calls in, read from its text: Hermes for a
-    template that shows none (the fallback's syntax)."""
+    template that shows none (the fallback's syntax); None for one this module does not parse (Qwen3-Coder's XML
+    `<function=name><parameter=...>`)."""
     template = template or ""
+    if "<function=" in template:
+        return None
     if "[TOOL_CALLS]" in template:
         return FORMATS["mistral"]
     if "<tool_call>" in template:
@@ -79,7 +82,7 @@ def detect_format(template: str | None) -> Format:
     return FORMATS["hermes"]
 
 
-def format_named(parser: str | None, template: str | None) -> Format:
+def format_named(parser: str | None, template: str | None) -> Format | None:
     """The format a `--tool-call-parser` name asks for (None: detect_format); ValueError for an unknown name."""
     if parser is None:
         return detect_format(template)
@@ -342,6 +345,10 @@ def tool_request(tools, tool_choice, parallel_tool_calls, tokenizer, parser: str
     against the model's tokenizer (its chat template picks the format unless `parser` names one). ValueError naming
     the field; the schemas are checked by llguidance, so a request that passes compiles."""
     fmt = format_named(parser, tokenizer.chat_template)
+    if fmt is None and tools is not None:
+        raise ValueError("tools: this model's chat template writes calls in a syntax not supported here "
+                         f"(<function=...> XML); a tool call parser ({', '.join(FORMATS)}) can be named instead")
+    fmt = fmt or FORMATS["hermes"]  # no tools: only the history's calls to render, in the fallback's syntax
     checked = None if tools is None else check_tools(tools)
     mode, names = check_tool_choice(tool_choice, checked)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):

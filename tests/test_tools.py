@@ -188,6 +188,7 @@ def test_format_from_the_template():
     assert detect_format("{{- '<|python_tag|>' }}{{ '\"parameters\": ' }}").name == "llama3_json"
     assert detect_format("{{ messages }}").name == "hermes" and detect_format(None).name == "hermes"
     assert format_named("mistral", HERMES_TEMPLATE).name == "mistral"
+    assert detect_format("{{ '<tool_call>\\n<function=' + name + '>' }}") is None  # Qwen3-Coder's XML: not parsed
     with pytest.raises(ValueError, match="unknown tool call parser 'qwen'; expected one of hermes, llama3_json"):
         format_named("qwen", None)
 
@@ -294,6 +295,14 @@ def test_bad_tool_fields_name_the_field(smollm2_tokenizer, tools, choice, messag
     with pytest.raises(ValueError, match=match) as error:
         tool_request(tools, choice, None, smollm2_tokenizer).render(messages)
     assert field_of(error.value) == field  # the error body's param
+
+
+def test_a_template_of_another_syntax_needs_a_parser_name(smollm2_tokenizer):
+    tokenizer = with_template(smollm2_tokenizer, "{{ tools }}{{ '<tool_call>\\n<function=' }}")
+    with pytest.raises(ValueError, match=r"^tools: this model's chat template writes calls in a syntax not "):
+        tool_request([WEATHER], None, None, tokenizer)
+    assert tool_request([WEATHER], None, None, tokenizer, "hermes").format.name == "hermes"
+    assert tool_request(None, None, None, tokenizer).mode == "none"  # a request without tools is served
 
 
 def test_parallel_tool_calls_must_be_a_boolean(smollm2_tokenizer):

@@ -12,7 +12,7 @@ chat template's text or by name. One ToolRequest per request holds the checked t
 - parser(): a CallParser, fed the text as it streams, giving OpenAI's `delta` objects (content, tool_calls);
   parse(text): the same for a whole output.
 A server calls tool_request (ValueError: a 400 whose param is field_of(error)), render, encode_chat, constraint,
-then parser() or parse(), and answers with message() and finish_reason().
+then parser() (merge_deltas: one chunk per run) or parse(), and answers with message() and finish_reason().
 """
 import json
 import re
@@ -602,6 +602,23 @@ class CallParser:
         self.raw = ""
         self._reset_object()
         self.state = "after"
+
+
+def merge_deltas(deltas: list[dict]) -> list[dict]:
+    """Consecutive deltas of one kind as one: content joined, a call's start and fragments joined. What one feed
+    gives can go out as one chunk per entry (OpenAI's chunks carry one kind each)."""
+    out: list[dict] = []
+    for delta in deltas:
+        last = out[-1] if out else {}
+        if "content" in delta and "content" in last:
+            last["content"] += delta["content"]
+        elif "tool_calls" in delta and "tool_calls" in last and \
+                last["tool_calls"][-1]["index"] == delta["tool_calls"][0]["index"]:
+            function = last["tool_calls"][-1]["function"]
+            function["arguments"] = function.get("arguments", "") + delta["tool_calls"][0]["function"]["arguments"]
+        else:
+            out.append(json.loads(json.dumps(delta)))  # a copy: merging must not change the parser's deltas
+    return out
 
 
 def parse_calls(text: str, fmt: Format | None, new_id: Callable[[], str] | None = None) -> tuple[str, list[dict]]:

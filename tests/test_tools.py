@@ -11,7 +11,7 @@ import torch
 
 from grammar import Compiler, Constraint
 from tools import FORMATS, CallParser, Format, calls_lark, detect_format, field_of, finish_reason, format_named, \
-    message, parse_calls, tool_request
+    merge_deltas, message, parse_calls, tool_request
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -156,6 +156,20 @@ def test_arguments_stream_before_the_call_ends():
                                                                     {"arguments": 'ty": "Oslo"}'}}]}]
     assert parser.feed("_call>") == [] and parser.finish() == []
     assert parser.calls[0]["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+def test_merged_deltas_are_one_per_content_run_and_call():
+    text = f"Let me look.\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL2}\n</tool_call>\n"
+    parser = CallParser(FORMATS["hermes"], counter_ids())
+    deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish()
+    merged = merge_deltas(deltas)
+    assert merged == [{"content": "Let me look."},
+                      {"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
+                                       "function": {"name": "get_weather", "arguments": ARGS}}]},
+                      {"tool_calls": [{"index": 1, "id": "call_1", "type": "function",
+                                       "function": {"name": "search", "arguments": ARGS2}}]}]
+    start = next(d for d in deltas if "tool_calls" in d)
+    assert start["tool_calls"][0]["function"]["arguments"] == ""  # the parser's own deltas unchanged
 
 
 @pytest.mark.parametrize("fmt, text", MALFORMED)

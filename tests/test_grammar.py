@@ -83,8 +83,10 @@ def test_token_bytes_concatenate_to_the_text(name, toy, smollm2_tokenizer):
     # sentencepiece writes a leading '▁' before the text (its dummy prefix), which decode drops
     assert got == (b" " if name == "sentencepiece" else b"") + text.encode("utf-8"), (got, ids)
     assert set(tokenizer.eos_ids) <= set(special)
-    assert all(tokens[i] == b"" for i in special)
+    assert all(tokens[i] == b"\xff" + tokenizer.backend.id_to_token(i).encode() for i in special
+               if i < tokenizer.vocab_size)  # llguidance's mark of a special token: no text matches it
     assert special[-3:] == [tokenizer.vocab_size + k for k in range(3)]  # ids past the vocabulary: never allowed
+    assert all(tokens[i] == b"" for i in special[-3:])
 
 
 # ---- the mask ----

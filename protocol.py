@@ -9,6 +9,8 @@ from engine import Event, Request
 from grammar import Constraint, Grammar
 from sample import SamplingParams
 from text import check_stop
+from tools import CallParser, ToolRequest, field_of, merge_deltas, message, tool_request
+from tools import finish_reason as tool_finish_reason
 
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to all the room left
@@ -23,11 +25,13 @@ GUIDED = ("response_format", "guided_json", "guided_regex", "guided_grammar", "g
 COMMON_FIELDS = {"model", "user", "max_tokens", "stop", "seed", "stream", "stream_options", "n", "logprobs",
                  "logit_bias", "min_tokens", "ignore_eos", *SAMPLING, *GUIDED}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls"}
 # Fields whose meaning is not served: refused unless absent, null or the value that asks nothing. (Ignoring them
 # would answer something else than what was asked.)
 ONLY = {"suffix": ""}
-NOT_SERVED = ("tools", "tool_choice", "functions", "function_call")  # tool calling: not served yet
+# Not served: the deprecated functions/function_call (tools replace them); on completions, tool calling.
+NOT_SERVED = ("functions", "function_call")
 JSON_KINDS = {"number": (int, float), "integer": (int,), "string": (str,), "boolean": (bool,), "object": (dict,),
               "array": (list,)}
 
@@ -147,9 +151,10 @@ def is_token_list(value) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
-def chat_prompt(body: dict, tokenizer, max_chars: int) -> list[int]:
+def chat_prompt(body: dict, tokenizer, max_chars: int, tools: ToolRequest | None = None) -> list[int]:
     """The prompt of /v1/chat/completions: the messages rendered with the model's chat template (which has BOS),
-    their contents tokenized as text (a special token's name in a message is no special token, as in OpenAI's API)."""
+    their contents tokenized as text (a special token's name in a message is no special token, as in OpenAI's API).
+    tools: the request's tools, rendered into the prompt (tools.py), and its tool call history checked."""
     import jinja2
 
     messages = get(body, "messages", "array")
@@ -158,21 +163,37 @@ def chat_prompt(body: dict, tokenizer, max_chars: int) -> list[int]:
     turns = []
     for i, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("system", "developer", "user", "assistant"):
-            raise BadRequest(f"messages[{i}] must be an object with role system, developer, user or assistant, "
-                             f"got {json.dumps(m)[:50]}", "messages")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise BadRequest(f"messages[{i}] must be an object with role system, developer, user, assistant or "
+                             f"tool, got {json.dumps(m)[:50]}", "messages")
         content = m.get("content")
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                              and isinstance(p.get("text"), str) for p in content):
             content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
+        if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
             raise BadRequest(f"messages[{i}].content must be a string or an array of text parts", "messages")
-        turns.append({"role": "system" if role == "developer" else role, "content": content})
+        turn = {"role": "system" if role == "developer" else role, "content": content}
+        turns.append({**turn, **{k: m[k] for k in ("tool_calls", "tool_call_id") if m.get(k) is not None}})
     try:
-        check_chars(tokenizer.apply_chat_template(turns), max_chars, "messages")
-        return tokenizer.encode_chat(turns)
+        turns, template_tools = (tools or tool_request(None, None, None, tokenizer)).render(turns)
+    except ValueError as e:
+        raise BadRequest(str(e), field_of(e) or "messages") from None
+    try:
+        check_chars(tokenizer.apply_chat_template(turns, tools=template_tools), max_chars, "messages")
+        return tokenizer.encode_chat(turns, tools=template_tools)
     except jinja2.TemplateError as e:
         raise BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
+
+
+def tools_of(body: dict, tokenizer, parser: str | None) -> ToolRequest | None:
+    """A chat request's tools, tool_choice and parallel_tool_calls, checked; None without tools."""
+    if body.get("tools") is None and body.get("tool_choice") is None:
+        return None
+    try:
+        return tool_request(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), tokenizer,
+                            parser=parser)
+    except ValueError as e:
+        raise BadRequest(str(e), field_of(e) or "tools") from None
 
 
 def constraint_of(body: dict) -> tuple[Constraint, str] | None:
@@ -232,31 +253,37 @@ class Call:
     logprobs: int | None = None  # alternatives per token in the answer; None: no logprobs
     echo: bool = False
     ignored: tuple[str, ...] = ()  # unknown fields, ignored (the server logs them)
+    tools: ToolRequest | None = None  # chat's tools: calls are parsed out of each choice's text
 
 
 def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
-                  compile_grammar: Callable[[Constraint], Grammar] | None = None, special: bool = True) -> Call:
+                  compile_grammar: Callable[[Constraint], Grammar] | None = None, special: bool = True,
+                  tool_parser: str | None = None) -> Call:
     """A request body -> Call; BadRequest names what is wrong. max_len: the most positions a sequence may take,
     prompt and completion (chat's max_tokens defaults to what the prompt leaves of it); max_chars: the longest
     prompt text worth tokenizing (see check_chars); compile_grammar: a structured-output constraint -> its
     compiled grammar (ValueError for a bad one); special: whether special tokens' names in a completion prompt
-    are those tokens (see completion_prompts)."""
+    are those tokens (see completion_prompts); tool_parser: the tool call syntax (tools.FORMATS) when not the
+    chat template's."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    for name in NOT_SERVED:
+    for name in (*NOT_SERVED, *([] if chat else ["tools", "tool_choice"])):
         if body.get(name) is not None:
-            raise BadRequest(f"{name} is not supported by this server (no tool calling)", name)
+            raise BadRequest(f"{name} is not served on {'this endpoint' if name.startswith('tool') else 'this server'}"
+                             f" ({'/v1/chat/completions serves' if name.startswith('tool') else 'use'} tools)", name)
     for name, only in ONLY.items():
         if body.get(name) is not None and body[name] != only:
             raise BadRequest(f"{name}={json.dumps(body[name])[:50]} is not supported; leave it out or pass "
                              f"{json.dumps(only)}", name)
     get(body, "model", "string")  # any served name is served by the one model
     get(body, "user", "string")
+    tools = tools_of(body, tokenizer, tool_parser) if chat else None
     if chat:
-        prompts, texts = [chat_prompt(body, tokenizer, max_chars)], [""]
+        prompts, texts = [chat_prompt(body, tokenizer, max_chars, tools)], [""]
     else:
         prompts, texts = completion_prompts(body, tokenizer, max_chars, special)
-    call = Call(chat, [], texts, ignored=tuple(sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))))
+    call = Call(chat, [], texts, ignored=tuple(sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))),
+                tools=tools)
     call.echo = not chat and get(body, "echo", "boolean", False)
     call.logprobs = logprobs_of(body, chat)
     call.stream, call.include_usage, call.continuous_usage = stream_of(body)
@@ -273,7 +300,7 @@ def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
     seed = get(body, "seed", "integer")
     if seed is not None and not 0 <= seed < 2 ** 64:
         raise BadRequest(f"seed must be in [0, 2**64), got {seed}", "seed")
-    grammar = grammar_of(body, compile_grammar)
+    grammar = grammar_of(body, compile_grammar, tools)
     echo_logprobs = call.logprobs if call.echo else None
     for prompt in prompts:
         call.requests.append(Request(prompt, params, max_tokens_of(body, chat, len(prompt), max_len, call.echo),
@@ -388,8 +415,14 @@ def stop_of(body: dict) -> list[str]:
     return stop
 
 
-def grammar_of(body: dict, compile_grammar: Callable[[Constraint], Grammar] | None) -> Grammar | None:
+def grammar_of(body: dict, compile_grammar: Callable[[Constraint], Grammar] | None,
+               tools: ToolRequest | None = None) -> Grammar | None:
+    """The compiled grammar of the structured output asked for, or of the tool calls (one per request)."""
     asked = constraint_of(body)
+    if tools is not None and tools.constraint is not None:
+        if asked is not None:
+            raise BadRequest(f"{asked[1]} and tools cannot be combined: a request follows one grammar", asked[1])
+        asked = tools.constraint, "tools"
     if asked is None:
         return None
     if compile_grammar is None:
@@ -450,6 +483,7 @@ class Choice:
     prompt_tokens: list[Token | None] | None = None  # echo's logprobs of the prompt
     finish_reason: str | None = None
     started: bool = False
+    parser: CallParser | None = None  # with tools: reads the calls out of the text as it comes
 
 
 class Answer:
@@ -458,7 +492,8 @@ class Answer:
 
     def __init__(self, call: Call, tokenizer, head: dict):
         self.call, self.tokenizer, self.head = call, tokenizer, head
-        self.choices = [Choice(p * call.n + k, p) for p in range(len(call.requests)) for k in range(call.n)]
+        self.choices = [Choice(p * call.n + k, p, parser=call.tools.parser() if call.tools else None)
+                        for p in range(len(call.requests)) for k in range(call.n)]
         self.last: dict[tuple[int, int], Event] = {}  # (prompt, engine choice) -> its latest event: usage
 
     def add(self, i: int, event: Event) -> list[str]:
@@ -478,14 +513,34 @@ class Answer:
         c.started, c.text = True, c.text + text
         c.ids += new_ids
         c.tokens += new_tokens
+        deltas = []
+        if c.parser is not None:
+            deltas = merge_deltas(c.parser.feed(text) + (c.parser.finish() if event.finished else []))
         if event.finished:
             c.finish_reason = finish_reason(event)
+            if c.parser is not None:
+                c.finish_reason = tool_finish_reason(c.finish_reason, c.parser.calls)
         if not self.call.stream:
             return []
+        if c.parser is not None:
+            return self.tool_chunks(c, deltas, new_tokens, event.finished)
         chunks = []
         if text or new_ids or event.finished:
             reason = c.finish_reason if event.finished else None
             chunks.append(self.chunk([self.choice_body(c, text, new_ids, new_tokens, offset, reason, True)]))
+        return chunks
+
+    def tool_chunks(self, c: Choice, deltas: list[dict], tokens: list[Token], finished: bool) -> list[str]:
+        """A chat stream's chunks when tools were given: one per content run or call piece (OpenAI's delta shapes),
+        the tokens' logprobs on the first, the finish_reason on a last chunk of its own."""
+        logprobs = chat_logprobs(tokens, self.tokenizer) if self.call.logprobs is not None and tokens else None
+        if logprobs is not None and not deltas:
+            deltas = [{}]
+        chunks = [self.chunk([{"index": c.index, "delta": d, "logprobs": logprobs if k == 0 else None,
+                               "finish_reason": None}]) for k, d in enumerate(deltas)]
+        if finished:
+            chunks.append(self.chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                       "finish_reason": c.finish_reason}]))
         return chunks
 
     def opening(self) -> list[str]:
@@ -525,8 +580,9 @@ class Answer:
         if not self.call.chat:
             return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if not stream:
-            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                    "finish_reason": reason}
+            said = {"role": "assistant", "content": c.text} if c.parser is None else message(c.parser.content,
+                                                                                             c.parser.calls)
+            return {"index": c.index, "message": said, "logprobs": logprobs, "finish_reason": reason}
         return {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                 "finish_reason": reason}
 

@@ -64,6 +64,7 @@ from grammar import Compiler, Constraint, Grammar
 from protocol import (Answer, BadRequest, error_body, longest_token, parse_body, parse_detokenize, parse_json,
                       parse_tokenize)
 from step import COMPILE_HELP, COMPILE_MODES, Step
+from tools import FORMATS
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)  # seconds
@@ -333,7 +334,7 @@ async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
         raw = await http.body()  # at most config.max_body_bytes, or Gate answers 413
         call = await asyncio.to_thread(parse_body, raw, chat, server.tokenizer, max_len=server.max_len,
                                        max_chars=server.max_chars, compile_grammar=server.compile_grammar,
-                                       special=server.config.special)
+                                       special=server.config.special, tool_parser=server.config.tool_parser)
         if call.ignored:
             log.warning(f"{http.url.path}: ignoring unknown fields {', '.join(f[:40] for f in call.ignored[:10])}")
         if server.state in ("closing", "failed"):
@@ -533,6 +534,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="how a special token's name ('<|im_start|>') in a /v1/completions prompt is read: as that "
                    "token (default, as vLLM and llama.cpp's server do: the prompt may be a chat template written "
                    "out) or as text. Chat message content is always text, as in OpenAI's API")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
+                   help="the syntax the model writes tool calls in (default: recognised from its chat template, else "
+                   "hermes; see README, Tool calling)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
     return p.parse_args(argv)
 
@@ -572,7 +576,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(api_key=args.api_key, hosts=tuple(dict.fromkeys(hosts)), max_body_bytes=args.max_body_bytes,
                        shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.header_timeout,
                        max_connections=args.max_connections, special=args.prompt_special_tokens == "tokens",
-                       max_model_len=args.max_model_len, aliases=tuple((args.served_model_name or [])[1:]))
+                       max_model_len=args.max_model_len, aliases=tuple((args.served_model_name or [])[1:]),
+                       tool_parser=args.tool_call_parser)
 
 
 def check_port(host: str, port: int) -> None:

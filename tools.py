@@ -264,6 +264,29 @@ def describe_tools(tools: list[dict], fmt: Format) -> str:
 
 # ---- the grammar of calls ----
 
+def closed(schema):
+    """The schema with `additionalProperties: false` on every object that lists its properties and leaves extra
+    ones open (as OpenAI's strict function calling makes them): a call then has the function's arguments only. Open,
+    a sampler wandered into invented keys ("population_millions_per_year_per_year", ...) until max_tokens. What
+    the closed schema accepts, the schema given accepts too."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+            out[key] = {name: closed(s) for name, s in value.items()}  # names -> schemas
+        elif key in ("enum", "const", "default", "examples"):  # values, not schemas
+            out[key] = value
+        else:
+            out[key] = closed(value)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
+            and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def calls_lark(fmt: Format, tools: list[dict], mode: str, names: tuple[str, ...], parallel: bool,
                special_trigger: int | None = None) -> str:
     """The Lark grammar (llguidance's dialect) of an output under tool_choice `mode`. Each allowed function's call
@@ -273,7 +296,7 @@ def calls_lark(fmt: Format, tools: list[dict], mode: str, names: tuple[str, ...]
     rules = []
     for k, name in enumerate(names):
         parameters = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == name)
-        schema = {"type": "object", **parameters, "x-guidance": JSON_OPTIONS}
+        schema = {"type": "object", **closed(parameters), "x-guidance": JSON_OPTIONS}
         opening = json.dumps(f'{{"name": {json.dumps(name)}, "{fmt.arguments}": ')
         rules.append(f"fn_{k}: {opening} %json {json.dumps(schema)} \"}}\"")
     rules.append("call: " + " | ".join(f"fn_{k}" for k in range(len(names))))

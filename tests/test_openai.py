@@ -283,3 +283,139 @@ def lm_eval_pair(tok, context: str, continuation: str) -> tuple[list[int], list[
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole, ctx = tok.encode(context + continuation, bos=False), tok.encode(context, bos=False)
     return ctx, whole[len(ctx):]
+
+
+# ---- tool calling ----
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 30},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+BOOK = {"type": "function", "function": {
+    "name": "book_table", "description": "Book a table at a restaurant.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["restaurant", "people", "time"],
+                   "properties": {"restaurant": {"type": "string", "maxLength": 40},
+                                  "people": {"type": "integer", "minimum": 1, "maximum": 20},
+                                  "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"}}}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search", "description": "Search the web.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["query"],
+                   "properties": {"query": {"type": "string", "maxLength": 60},
+                                  "max_results": {"type": "integer", "minimum": 1, "maximum": 10},
+                                  "safe": {"type": "boolean"}}}}}
+TOOL_PROMPTS = ["What's the weather in Paris?", "Is it cold in Oslo today?", "Book a table for 4 at Luigi's at 19:30.",
+                "Find me recent news about volcanoes.", "I need a dinner reservation for two at 8pm.",
+                "Should I take an umbrella in London?", "Look up the population of Japan.",
+                "Weather in Tokyo in fahrenheit please.", "Search for a good pancake recipe.",
+                "Reserve a table for 12 people at Noma, 18:00.", "How hot is it in Cairo?",
+                "Who won the last world cup? Search it.", "Table for one at the Ritz at 13:15.",
+                "Is it snowing in Montreal?", "What is the capital of Peru? Look it up.",
+                "Book dinner for 6 at Sushi Zen at 20:45.", "Temperature in Rome, celsius.",
+                "Search the web for cheap flights to Lisbon.", "Please book a table for 3 at 12:00 at Chez Paul.",
+                "What's it like outside in Sydney?", "Find the tallest building in the world.",
+                "Windy in Chicago today?", "Get me a table at Le Cinq for 2 at 21:00.",
+                "Search: how do bees make honey?", "Weather report for Berlin.", "Book 5 seats at Nobu, 19:00.",
+                "Look for the best hiking trails in Utah.", "Is it raining in Seattle?",
+                "Reserve a table for 8 at The Ivy at 17:30.", "Search for python tutorials."]
+
+
+def test_named_and_required_tool_calls_are_valid_by_construction(reference):
+    """30 prompts x 3 schemas with the function named, and each prompt with "required" over all three, sampled at
+    temperature 0.8: every call parses and its arguments validate against the function's schema."""
+    import json
+
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, BOOK, SEARCH)}
+
+    async def one(c, prompt, seed, choice):
+        r = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
+                                            tools=[WEATHER, BOOK, SEARCH], tool_choice=choice, temperature=0.8,
+                                            seed=seed, max_tokens=250)
+        return r.choices[0]
+
+    async def fn(c, h):
+        named = [one(c, p, i, {"type": "function", "function": {"name": name}})
+                 for i, p in enumerate(TOOL_PROMPTS) for name in schemas]
+        required = [one(c, p, i, "required") for i, p in enumerate(TOOL_PROMPTS)]
+        return await asyncio.gather(*named), await asyncio.gather(*required)
+
+    named, required = call(reference, fn)
+    names = [name for _ in TOOL_PROMPTS for name in schemas]
+    for choice, name in zip(named, names):
+        assert choice.finish_reason == "tool_calls", choice
+        (tool_call,) = choice.message.tool_calls
+        assert tool_call.type == "function" and tool_call.function.name == name and tool_call.id
+        jsonschema.validate(json.loads(tool_call.function.arguments), schemas[name])
+    for choice in required:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for tool_call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(tool_call.function.arguments), schemas[tool_call.function.name])
+
+
+def test_tool_calls_stream_and_round_trip(reference):
+    """Streaming: the id and name come first, then argument fragments that join to the whole answer's arguments;
+    auto may answer in text or call; a full round trip (call -> tool message -> answer) is rendered and answered."""
+    import json
+
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    ask = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+    async def fn(c, h):
+        kw = dict(model="m", messages=ask, tools=[WEATHER], tool_choice=weather, temperature=0, max_tokens=80)
+        whole = await c.chat.completions.create(**kw)
+        chunks = [x async for x in await c.chat.completions.create(stream=True, **kw)]
+        auto = await c.chat.completions.create(model="m", messages=ask, tools=[WEATHER, SEARCH], temperature=0,
+                                               max_tokens=80)
+        tool_call = whole.choices[0].message.tool_calls[0]
+        history = ask + [{"role": "assistant", "content": None, "tool_calls": [tool_call.model_dump()]},
+                         {"role": "tool", "tool_call_id": tool_call.id, "content": '{"temperature": 21}'}]
+        final = await c.chat.completions.create(model="m", messages=history, tools=[WEATHER], temperature=0,
+                                                max_tokens=40)
+        bad = await h.post("/v1/chat/completions", json={"messages": ask + [
+            {"role": "tool", "tool_call_id": "call_nope", "content": "1"}], "tools": [WEATHER]})
+        absent = await h.post("/v1/chat/completions", json={"messages": ask, "tools": [WEATHER],
+                                                            "tool_choice": {"type": "function",
+                                                                            "function": {"name": "fly"}}})
+        return whole, chunks, auto, final, bad, absent
+
+    whole, chunks, auto, final, bad, absent = call(reference, fn)
+    deltas = [d for x in chunks if x.choices for d in (x.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].index == 0
+    assert "".join(d.function.arguments or "" for d in deltas) == whole.choices[0].message.tool_calls[0].function.arguments
+    assert [x.choices[0].finish_reason for x in chunks if x.choices][-1] == "tool_calls"
+    json.loads(whole.choices[0].message.tool_calls[0].function.arguments)
+    a = auto.choices[0]
+    assert (a.finish_reason == "tool_calls") == bool(a.message.tool_calls) and (a.message.content or a.message.tool_calls)
+    assert final.choices[0].message.content and final.choices[0].finish_reason in ("stop", "length")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[1].tool_call_id"
+    assert absent.status_code == 400 and absent.json()["error"]["param"].startswith("tool_choice")
+
+
+def test_instructor_and_langchain_tool_calling(reference):
+    """The libraries' own tool paths: instructor's default Mode.TOOLS returns a validated pydantic object;
+    langchain-openai's bind_tools (with tool_choice) returns tool_calls and with_structured_output(method=
+    "function_calling") returns the object."""
+    import instructor
+    import pydantic
+    from langchain_openai import ChatOpenAI
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=30)
+        country: str = pydantic.Field(max_length=30)
+        population_millions: float = pydantic.Field(ge=0, le=100)
+
+    async def fn(c, h):
+        client = instructor.from_openai(c)  # Mode.TOOLS
+        city = await client.chat.completions.create(model="m", response_model=City, max_tokens=100, temperature=0,
+                                                    messages=[{"role": "user", "content": "Describe Paris."}])
+        chat = ChatOpenAI(model="m", base_url=f"{LOCAL}/v1", api_key="x", temperature=0, max_tokens=100,
+                          http_async_client=h, max_retries=0)
+        bound = await chat.bind_tools([WEATHER], tool_choice="get_weather").ainvoke("Weather in Rome?")
+        structured = await chat.with_structured_output(City, method="function_calling").ainvoke("Describe Rome.")
+        return city, bound, structured
+
+    city, bound, structured = call(reference, fn)
+    assert isinstance(city, City) and isinstance(structured, City)
+    assert bound.tool_calls and bound.tool_calls[0]["name"] == "get_weather" and "city" in bound.tool_calls[0]["args"]

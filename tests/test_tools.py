@@ -525,3 +525,18 @@ def test_cli_interactive_tool_round_trip(smollm2_gguf, tmp_path, monkeypatch, ca
         jsonschema.validate(json.loads(line["tool_calls"][0]["function"]["arguments"]),
                             WEATHER["function"]["parameters"])
     assert "error: /tool takes the id of a call of the last reply (call_0)" in err and err.count("turn ") == 2
+
+
+def test_call_schemas_are_closed_where_left_open():
+    """Objects listing properties get additionalProperties false unless they say otherwise; property maps and
+    values are left alone (a property named "properties" stays a property)."""
+    from tools import closed
+
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {}}},
+                                               "b": {"enum": [{"properties": {}}]}},
+              "$defs": {"x": {"type": "object", "properties": {}, "additionalProperties": True}}}
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["properties"]["additionalProperties"] is False
+    assert set(out["properties"]) == {"properties", "b"} and out["properties"]["b"] == {"enum": [{"properties": {}}]}
+    assert out["$defs"]["x"]["additionalProperties"] is True

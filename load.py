@@ -25,7 +25,8 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from gguffile import GGUFTensor, read_gguf
-from model import ModelArgs, Transformer, positive_int, positive_number
+from config import ModelArgs
+from model import Transformer
 from quantize import N_MULTIPLE, Int4Linear, Int8GroupLinear, dequantize_state, mode_name, parse_mode, swap_linears
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -444,53 +445,6 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
     return assign_weights(model, state, device, frozenset(filled))
 
 
-def gguf_args(meta: dict, tensors: list[GGUFTensor]) -> ModelArgs:
-    """ModelArgs from GGUF metadata (llama architecture only); a missing or mistyped key is a ValueError naming it."""
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
-    missing = [k for k in ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")
-               if f"llama.{k}" not in meta]
-    if "llama.vocab_size" not in meta and "tokenizer.ggml.tokens" not in meta:
-        missing.append("vocab_size")
-    if missing:
-        raise ValueError(f"GGUF metadata has no {', '.join('llama.' + k for k in missing)}")
-
-    def size(key: str, default: int | None = None) -> int:
-        return positive_int(meta.get(f"llama.{key}", default), f"GGUF metadata llama.{key}")
-
-    def number(key: str, default: float) -> float:
-        return positive_number(meta.get(f"llama.{key}", default), f"GGUF metadata llama.{key}")
-
-    scaling_type = meta.get("llama.rope.scaling.type", "none")
-    if scaling_type not in ("none", "linear"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear'")
-    rope_scaling = None
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
-    n_heads = size("attention.head_count")
-    n_experts = size("expert_count") if meta.get("llama.expert_count", 0) != 0 else None  # Mixtral: > 0
-    args = ModelArgs(
-        vocab_size=size("vocab_size", len(meta.get("tokenizer.ggml.tokens", ()))),
-        dim=size("embedding_length"),
-        n_layers=size("block_count"),
-        n_heads=n_heads,
-        hidden_dim=size("feed_forward_length"),
-        n_kv_heads=size("attention.head_count_kv", n_heads),
-        head_dim=size("attention.key_length") if "llama.attention.key_length" in meta else None,
-        norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=number("rope.freq_base", 10000.0),
-        rope_scaling=rope_scaling,
-        max_seq_len=size("context_length", 4096),
-        tie_embeddings="output.weight" not in {t.name for t in tensors},  # llama.cpp drops the head of tied models
-        n_experts=n_experts,
-        n_experts_per_token=size("expert_used_count", 2) if n_experts else 2,
-    )
-    if meta.get("llama.rope.dimension_count", args.head_dim) != args.head_dim:
-        raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")
-    return args
-
-
 @dataclass
 class ExpertSlice:
     """One expert's (N, K) matrix of a GGUF tensor that stacks all E experts, read as gguf_int4 and
@@ -598,7 +552,7 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
         meta, file_tensors = read_gguf(path)
     except (ValueError, OSError) as e:
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from None
-    full_args = gguf_args(meta, file_tensors)
+    full_args = ModelArgs.from_gguf(meta, {t.name for t in file_tensors})
     tensors, full_shapes = gguf_tensors(file_tensors)
     rope_freqs = tensors.pop("rope_freqs.weight", None)  # Llama 3.1 GGUFs: per-frequency rope divisors
     full_shapes.pop("rope_freqs.weight", None)

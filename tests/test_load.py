@@ -348,11 +348,11 @@ GGUF_META = {"general.architecture": "llama", "llama.attention.head_count": 4, "
     ({"llama.expert_count": 2, "llama.expert_used_count": 3}, "3 experts per token is not within 1..2"),
 ])
 def test_gguf_metadata_errors(edit, message):
-    from load import gguf_args
+    from config import ModelArgs
 
     meta = {k: v for k, v in {**GGUF_META, **edit}.items() if v is not None}
     with pytest.raises(ValueError, match=message):
-        gguf_args(meta, [])
+        ModelArgs.from_gguf(meta, [])
 
 
 def test_gguf_tensor_of_a_type_that_cannot_be_dequantized(tmp_path):

@@ -24,28 +24,13 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from gguffile import GGUFTensor, read_gguf
+import gguffile
 from config import ModelArgs
 from model import Transformer
 from quantize import N_MULTIPLE, Int4Linear, Int8GroupLinear, dequantize_state, mode_name, parse_mode, swap_linears
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
-# GGUF tensor names (llama.cpp) -> ours, which are Hugging Face's without the `model.` prefix.
-GGUF_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-GGUF_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",  # Mixtral's router
-}
-GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # (E, N, K)
 # Mixtral's original per-expert names -> ours (w1 gate, w3 up, w2 down, as the Mixtral paper's SwiGLU names them).
 HF_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -445,115 +430,27 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False
     return assign_weights(model, state, device, frozenset(filled))
 
 
-@dataclass
-class ExpertSlice:
-    """One expert's (N, K) matrix of a GGUF tensor that stacks all E experts, read as gguf_int4 and
-    gguf_dequantize read a file tensor (gguffile.GGUFTensor): its data rows and block type."""
-    data: object  # numpy rows (N, K) or (N, bytes per row) of one expert
-    tensor_type: object
-
-
-def gguf_tensors(file_tensors: list[GGUFTensor]) -> tuple[dict, dict[str, tuple]]:
-    """The file's tensors under our names ({name: GGUFTensor or ExpertSlice}) and their torch shapes: a stacked
-    `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C)."""
-    tensors, shapes = {}, {}
-    for t in file_tensors:
-        shape = t.shape
-        parts = t.name.split(".")
-        if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_EXPERT_NAMES and len(shape) == 3:
-            for e in range(shape[0]):
-                name = f"layers.{parts[1]}.mlp.experts.{e}.{GGUF_EXPERT_NAMES[parts[2]]}.{parts[3]}"
-                tensors[name], shapes[name] = ExpertSlice(t.data[e], t.tensor_type), shape[1:]
-            continue
-        name = gguf_tensor_name(t.name)
-        tensors[name], shapes[name] = t, shape
-    return tensors, shapes
-
-
-def gguf_tensor_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `layers.3.self_attn.q_proj.weight`; unknown names pass through (and fail the check).
-    Mixtral GGUFs from before llama.cpp stacked the experts name each one: `blk.3.ffn_up.5.weight`."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BLOCK_NAMES:
-        return f"layers.{parts[1]}.{GGUF_BLOCK_NAMES[parts[2]]}.{parts[3]}"
-    if parts[0] == "blk" and len(parts) == 5 and parts[2] in ("ffn_gate", "ffn_up", "ffn_down") and parts[3].isdigit():
-        return f"layers.{parts[1]}.mlp.experts.{parts[3]}.{parts[2].removeprefix('ffn_')}_proj.{parts[4]}"
-    if len(parts) == 2 and parts[0] in GGUF_TOP_NAMES:
-        return f"{GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
-    return gguf_name
-
-
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp stores q/k rows with RoPE pairs interleaved (2i, 2i+1); our RoPE pairs (i, i + D/2).
-    Its converter reshaped each head's rows as (2, D/2) -> (D/2, 2); this is the inverse."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-GGUF_INT4 = ("Q4_0", "Q4_1")  # llama.cpp block types whose codes Int4Linear (group 32) takes as they are
-
-
 def gguf_native_mode(tensors: dict, quantize: str | None) -> str | None:
     """The quantization the file's linear weights already have, when our modules can take their codes as they are:
     "int4:32" when every block linear is Q4_0 or Q4_1 (llama.cpp's 4-bit blocks of 32). Used unless `quantize`
     asks for something else ("none": dequantize everything, as before)."""
     linears = [t.tensor_type.name for name, t in tensors.items() if name.startswith("layers.") and "_proj." in name]
-    native = "int4:32" if linears and all(kind in GGUF_INT4 for kind in linears) else None
+    native = "int4:32" if linears and all(kind in gguffile.INT4_TYPES for kind in linears) else None
     if quantize is None or (native is not None and quantize != "none" and mode_name(*parse_mode(quantize)) == native):
         return native
     return None
-
-
-def gguf_int4(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q4_1 tensor's codes (N, K) uint8 in [0, 15] and per-block scale and zero (N, K/32) float32, in our
-    int4 scheme w = (q - 8) * scale + zero. Q4_1 stores d and m with w = d * q + m: scale d, zero m + 8d; Q4_0 is
-    w = d * (q - 8): zero 0. A block's 16 bytes hold weights j (low nibble) and j + 16 (high nibble)."""
-    N, K = shape
-    raw = torch.from_numpy(t.data.copy()).view(N, K // 32, -1)  # (N, blocks, bytes per block)
-    d = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, K/32)
-    if t.tensor_type.name == "Q4_1":
-        m, qs = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0], raw[..., 4:20]
-        zeros = m + 8 * d
-    else:
-        qs, zeros = raw[..., 2:18], torch.zeros_like(d)
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).view(N, K)  # (N, K/32, 16) x 2 -> (N, K)
-    return codes, d, zeros
-
-
-def gguf_q8_0(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 tensor's codes (N, K) int8 and per-block scale d (N, K/32) float32: w = d * q. A block is d (float16)
-    and 32 int8 codes."""
-    N, K = shape
-    raw = torch.from_numpy(t.data.copy()).view(N, K // 32, 34)  # (N, blocks, bytes per block)
-    d = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, K/32)
-    return raw[..., 2:].contiguous().view(torch.int8).reshape(N, K), d
-
-
-def gguf_dequantize(t, shape: tuple[int, ...], rows: int = 4096) -> torch.Tensor:
-    """A GGUF tensor as float32, dequantized `rows` rows at a time: numpy's temporaries for a large
-    embedding would otherwise be several times its size, and set the peak memory of the whole load."""
-    import gguf
-
-    out = torch.empty(shape, dtype=torch.float32)
-    flat = out.view(shape[0], -1)  # (rows, ...) -> 2-D; the file's data has one row per torch row
-    for i in range(0, shape[0], rows):
-        block = gguf.quants.dequantize(t.data[i:i + rows], t.tensor_type)  # may be a read-only memory-map view
-        flat[i:i + rows] = torch.from_numpy(block.reshape(flat[i:i + rows].shape).copy())
-    return out
 
 
 def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
               quantize: str | None = None, quantize_head: bool = False, shard=None) -> Transformer:
     """A llama-architecture GGUF file, dequantized to dtype with the gguf package (or, with quantize, from
     float32 straight to int8/int4 codes)."""
-    import gguf
-
     try:
-        meta, file_tensors = read_gguf(path)
+        meta, file_tensors = gguffile.read_gguf(path)
     except (ValueError, OSError) as e:
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from None
     full_args = ModelArgs.from_gguf(meta, {t.name for t in file_tensors})
-    tensors, full_shapes = gguf_tensors(file_tensors)
+    tensors, full_shapes = gguffile.named_tensors(file_tensors)
     rope_freqs = tensors.pop("rope_freqs.weight", None)  # Llama 3.1 GGUFs: per-frequency rope divisors
     full_shapes.pop("rope_freqs.weight", None)
     if rope_freqs is not None:
@@ -589,14 +486,14 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
     for name, t in tqdm(tensors.items(), desc="loading", disable=not progress, unit="tensor"):
         shape = full_shapes[name]
         if q8_0_head and name == head_name:
-            model.lm_head.load_codes(*(x.to(device) for x in gguf_q8_0(t, shape)))
+            model.lm_head.load_codes(*(x.to(device) for x in gguffile.q8_0_blocks(t, shape)))
             if name == "lm_head.weight":  # untied: nothing else reads it
                 continue
         heads = full_args.n_heads if "q_proj" in name else full_args.n_kv_heads
-        if native is not None and t.tensor_type.name in GGUF_INT4 and "_proj." in name:
-            codes, scales, zeros = gguf_int4(t, shape)
+        if native is not None and t.tensor_type.name in gguffile.INT4_TYPES and "_proj." in name:
+            codes, scales, zeros = gguffile.int4_blocks(t, shape)
             if name.endswith(("q_proj.weight", "k_proj.weight")):
-                codes, scales, zeros = (unpermute_qk(x, heads) for x in (codes, scales, zeros))
+                codes, scales, zeros = (gguffile.unpermute_qk(x, heads) for x in (codes, scales, zeros))
             name, blocks = joiner.add(name, (codes, scales, zeros))
             if name is not None:
                 prefix, module = modules[name]
@@ -605,11 +502,11 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool = False,
                 filled.add(prefix)
             continue
         try:
-            w = gguf_dequantize(t, shape)
+            w = gguffile.dequantize(t, shape)
         except (NotImplementedError, ValueError) as e:  # gguf.quants: a block type it cannot dequantize
             raise ValueError(f"cannot dequantize GGUF tensor {name!r} ({t.tensor_type.name}): {e}") from None
         if name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute_qk(w, heads)
+            w = gguffile.unpermute_qk(w, heads)
         if shard:
             w = shard.take(name, w, full_args)  # a GGUF block packs whole rows: dequantize, then slice
         name, w = joiner.add(name, w)

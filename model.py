@@ -42,7 +42,7 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, H, T, D) by position, with cos and sin (T, D/2), or (B, 1, T, D/2) with per-row positions, in x's
-    dtype. Half-rotation layout: dim i pairs with i + D/2 (Hugging Face's layout; load.py converts GGUF's
+    dtype. Half-rotation layout: dim i pairs with i + D/2 (Hugging Face's layout; gguffile.unpermute_qk converts GGUF's
     interleaved q/k rows to it)."""
     x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

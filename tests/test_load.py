@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from cli import pick_dtype
 from helpers import PEAK_RSS, run_py
-from load import load_model, read_quantization, unpermute_qk
+from gguffile import unpermute_qk
+from load import load_model, read_quantization
 from tiny_models import SEQ_LEN, greedy_ids, make_hf
 
 
@@ -254,13 +255,14 @@ class WeightRead(BaseException):
 
 def forbid_weight_reads(monkeypatch) -> None:
     """Reading any weight fails the test: the error must come from the checks that run before."""
+    import gguffile
     import load
 
     def read(*args, **kwargs):
         raise WeightRead("a weight was read before the error was found")
 
     monkeypatch.setattr(load, "read_hf_tensor", read)
-    monkeypatch.setattr(load, "gguf_dequantize", read)
+    monkeypatch.setattr(gguffile, "dequantize", read)
 
 
 @pytest.fixture()
@@ -359,7 +361,7 @@ def test_gguf_tensor_of_a_type_that_cannot_be_dequantized(tmp_path):
     """An I8 matrix (no GGUF converter writes one): named, instead of gguf's NotImplementedError."""
     import numpy as np
 
-    from load import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
+    from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
     from tiny_models import llama_gguf_writer
 
     hf = make_hf("llama-gqa")

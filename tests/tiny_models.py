@@ -88,7 +88,7 @@ def greedy_ids(model: Transformer, prompt: list[int], n: int, params: SamplingPa
 # ---- writing tiny GGUF files (as llama.cpp's converter does) ----
 
 def llama_cpp_permute(w, n_heads: int):
-    """llama.cpp's converter for q/k rows (RoPE pairs (i, i + D/2) -> (2i, 2i + 1)); load.unpermute_qk undoes it.
+    """llama.cpp's converter for q/k rows (RoPE pairs (i, i + D/2) -> (2i, 2i + 1)); gguffile.unpermute_qk undoes it.
     w: a numpy (rows, columns) array."""
     rows, cols = w.shape
     return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)

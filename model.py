@@ -82,14 +82,59 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return y.permute(0, 1, 3, 2, 4).reshape(B, H, T, D).to(q.dtype)  # (B, H, T, D)
 
 
-class Linear(nn.Linear):
+class Parts:
+    """A linear that checkpoints store as separate tensors, its parts: `parts` {checkpoint name: output rows} in row
+    order (qkv_proj: q_proj | k_proj | v_proj), or None for a linear stored as itself. A loader hands in each part's
+    tensors as it reads them (load_part); parts_state gives them back as a checkpoint stores them. Mixed into Linear
+    and quantize.py's Int8Linear / Int4Linear, which say how their own tensors run over the rows."""
+    parts: dict[str, int] | None = None
+    ROW_DIMS: dict[str, int] = {}  # a tensor whose output rows are not its dim 0
+
+    def row_counts(self) -> tuple[int, ...]:
+        """The row counts a weight handed to this module may have: its own, or one part's."""
+        return (self.out_features, *(self.parts or {}).values())
+
+    def part_rows(self, i: int) -> tuple[int, int]:
+        """(first row, rows) of part i."""
+        sizes = list(self.parts.values()) if self.parts else [self.out_features]
+        return sum(sizes[:i]), sizes[i]
+
+    def load_part(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Part i's tensors (name -> tensor, as a checkpoint stores them) into this module: a linear stored as
+        itself takes them as they are; a fused one copies their rows into its own, made (zeros) by the first part
+        to arrive, so rows past the parts' (padding) stay zero. Rows past a part's own are padding: dropped."""
+        start, n = self.part_rows(i)
+        for name, t in tensors.items():
+            current = getattr(self, name)
+            if self.parts is None:
+                assert t.shape == current.shape, f"{name}: {tuple(t.shape)} vs {tuple(current.shape)}"
+                new = t
+            else:
+                dim = self.ROW_DIMS.get(name, 0)
+                new = torch.zeros(current.shape, dtype=t.dtype, device=t.device) if current.is_meta else current
+                new.narrow(dim, start, n).copy_(t.narrow(dim, 0, n))
+            if new is not current:
+                setattr(self, name, nn.Parameter(new, requires_grad=False) if name in self._parameters else new)
+
+    def parts_state(self) -> list[dict[str, torch.Tensor]]:
+        """Each part's tensors as a checkpoint stores them (views of this module's rows); unfused, [state_dict()]."""
+        state = self.state_dict()
+        if self.parts is None:
+            return [state]
+        return [{name: t.narrow(self.ROW_DIMS.get(name, 0), *self.part_rows(i)) for name, t in state.items()}
+                for i in range(len(self.parts))]
+
+
+class Linear(Parts, nn.Linear):
     """A bias-free nn.Linear. Compiled on CPU with float32 weights, a one-row product is written as a multiply-and-
     sum: Inductor makes that a vectorized reduction that streams the weight about twice as fast as the GEMV of
     torch's matmul libraries (README, Benchmarks). bf16 weights keep F.linear: there MKL's GEMV is the faster one.
     Eager, batched or on CUDA it is F.linear."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, parts: dict[str, int] | None = None):
         super().__init__(in_features, out_features, bias=False)
+        self.parts = parts
+        assert parts is None or sum(parts.values()) == out_features, f"{parts} vs {out_features} rows"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         one_row = x.device.type == "cpu" and x.shape[:-1].numel() == 1
@@ -117,8 +162,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         # q, k and v as one weight (rows q | k | v): one larger matmul instead of three. Checkpoints keep
-        # q_proj/k_proj/v_proj; the loader joins them (load.FUSED).
-        self.qkv_proj = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim)
+        # q_proj/k_proj/v_proj, the parts the loader hands in (Parts).
+        q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.qkv_proj = Linear(args.dim, q_rows + 2 * kv_rows, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows})
         self.o_proj = Linear(args.n_heads * args.head_dim, args.dim)
 
     def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
@@ -142,7 +188,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_up_proj = Linear(args.dim, 2 * args.hidden_dim)  # rows gate | up, as qkv_proj
+        width = args.hidden_dim
+        self.gate_up_proj = Linear(args.dim, 2 * width, {"gate_proj": width, "up_proj": width})  # rows gate | up
         self.down_proj = Linear(args.hidden_dim, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -214,7 +261,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """Parameter names follow Hugging Face's (without the `model.` prefix), except the fused qkv_proj and
-    gate_up_proj, which load.py joins from a checkpoint's parts."""
+    gate_up_proj, which take a checkpoint's q/k/v and gate/up tensors as their parts (Parts)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

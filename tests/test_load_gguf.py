@@ -11,7 +11,7 @@ import torch.nn as nn
 import quantize as q
 from kvcache import KVCache
 from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, unpermute_qk
-from load import fused_slot, load_model, part_rows
+from load import checkpoint_modules, load_model
 from tiny_models import greedy_ids, llama_cpp_permute, llama_gguf_writer
 
 BF16_U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits): |bf16(x) - x| <= 2^-8 |x|
@@ -104,12 +104,10 @@ def block_linears(model) -> dict[str, nn.Module]:
 
 def part_of(model, name: str) -> tuple[nn.Module, slice]:
     """(module, its rows) of the checkpoint linear `name` (e.g. layers.0.self_attn.k_proj) in the fused model."""
-    slot = fused_slot(name + ".weight")
-    if slot is None:
-        return model.get_submodule(name), slice(None)
-    fused_name, fused, i = slot
-    rows = part_rows(model.args, fused)
-    return model.get_submodule(fused_name.removesuffix(".weight")), slice(sum(rows[:i]), sum(rows[:i + 1]))
+    module_name, part = checkpoint_modules(model)[name]
+    module = model.get_submodule(module_name)
+    start, n = module.part_rows(part)
+    return module, slice(start, start + n)
 
 
 def part_weight(model, name: str) -> torch.Tensor:

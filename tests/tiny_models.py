@@ -5,7 +5,7 @@ import math
 import torch
 
 from decode import generate
-from load import hf_tensor_names, join_state
+from load import hf_tensor_names, load_state
 from model import ModelArgs, Transformer
 from sample import SamplingParams
 
@@ -48,13 +48,15 @@ def hf_to_ours(hf) -> Transformer:
     them as (E, rows, columns) tensors) are named per expert as load.py names them."""
     cfg = hf.config.to_dict()
     cfg["architectures"] = [type(hf).__name__]
-    model = Transformer(ModelArgs.from_hf_config(cfg)).eval()
+    with torch.device("meta"):
+        model = Transformer(ModelArgs.from_hf_config(cfg))
     state = {}
     for key, t in hf.state_dict().items():
         for name, _, pick in hf_tensor_names(key, tuple(t.shape)):
-            state[name] = t if pick is None else t[pick[0], pick[1]:pick[1] + pick[2]]
-    model.load_state_dict(join_state(model, state), strict=True)
-    return model
+            if name == "lm_head.weight" and model.args.tie_embeddings:
+                continue  # the embedding, as save_pretrained leaves it out of a checkpoint
+            state[name] = (t if pick is None else t[pick[0], pick[1]:pick[1] + pick[2]]).clone()  # not hf's memory
+    return load_state(model, state)
 
 
 def reference_attention(q, k, v, mask):

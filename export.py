@@ -2,7 +2,7 @@
 
     python export.py --model M --mode int4:64 --out DIR
 
-model.safetensors holds the quantized modules' tensors with the mode in its metadata (load.read_quantization),
+model.safetensors holds the quantized modules' tensors with the mode in its metadata (hffolder.read_quantization),
 beside config.json and the tokenizer files (copied from a Hugging Face folder, or built from a GGUF vocabulary).
 """
 import argparse
@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 
 from cli import default_model, run_cli
-from load import checkpoint_state, load_model, read_quantization, resolve_model_path
+from hffolder import read_quantization
+from load import checkpoint_state, load_model, resolve_model_path
 from quantize import MODES_HELP, parse_mode, quantization_of, weight_bytes
 from tokenizer import load_tokenizer
 

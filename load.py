@@ -18,10 +18,9 @@ stacked `mlp.experts.gate_up_proj` / `mlp.experts.down_proj` (E, rows, columns),
 """
 import ctypes
 import dataclasses
-import json
 import os
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,14 +28,12 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import gguffile
+import hffolder
 from config import ModelArgs
 from model import Parts, Transformer
 from quantize import Int4Linear, Int8GroupLinear, Int8Linear, dequantize_state, mode_name, parse_mode, swap_linears
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-
-# Mixtral's original per-expert names -> ours (w1 gate, w3 up, w2 down, as the Mixtral paper's SwiGLU names them).
-HF_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 @dataclass(frozen=True)
@@ -121,7 +118,7 @@ def part_names(name: str, module: nn.Module) -> list[str]:
 
 
 def checkpoint_modules(model: Transformer) -> dict[str, tuple[str, int]]:
-    """Each checkpoint module -> (our module, its part): layers.3.self_attn.k_proj -> (layers.3.self_attn.qkv_proj, 1)."""
+    """Each checkpoint module -> (our module, part): layers.3.self_attn.k_proj -> (layers.3.self_attn.qkv_proj, 1)."""
     return {part: (name, i) for name, module in stored_modules(model)
             for i, part in enumerate(part_names(name, module))}
 
@@ -219,7 +216,8 @@ class Filler:
     def put_int4_blocks(self, name: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         """A linear's int4 codes (N, K) with a scale and zero per block, taken as they are (a GGUF's Q4 blocks)."""
         module, part, _ = self.target(name)
-        module.load_part(part, {k: v.to(self.device) for k, v in module.buffers_for_codes(codes, scales, zeros).items()})
+        buffers = module.buffers_for_codes(codes, scales, zeros)
+        module.load_part(part, {k: v.to(self.device) for k, v in buffers.items()})
 
     def put_head_codes(self, name: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """The head as a GGUF's Q8_0 codes (Int8GroupLinear). A tied head's matrix is the embedding too: the loader
@@ -264,7 +262,7 @@ def checkpoint_quantization(path: str, files: list[str], request: Request) -> tu
     """The (mode, quantize_head) a quantized folder was saved with, from its safetensors metadata, or None;
     a request that differs from it is an error (the checkpoint's codes cannot be re-quantized)."""
     try:
-        meta = read_quantization(os.path.join(path, files[0]))
+        meta = hffolder.read_quantization(os.path.join(path, files[0]))
     except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
         raise ValueError(f"cannot read safetensors file {os.path.join(path, files[0])!r}: {e}") from None
     if meta is None:
@@ -278,105 +276,14 @@ def checkpoint_quantization(path: str, files: list[str], request: Request) -> tu
     return saved, saved_head
 
 
-def read_quantization(file: str) -> dict[str, str] | None:
-    """The quantization entries of a safetensors file's metadata, or None if it is not quantized."""
-    from safetensors import safe_open
-
-    with safe_open(file, framework="pt") as f:
-        meta = f.metadata() or {}
-    return {k: meta[k] for k in ("quantization", "group_size", "quantize_head")} if "quantization" in meta else None
-
-
-def hf_tensor_names(key: str, shape: tuple[int, ...]) -> list[tuple[str, tuple, tuple | None]]:
-    """The tensors a safetensors key holds, under our checkpoint names: [(name, shape, pick)], pick None for the
-    tensor itself or (expert, first row, rows) of a stacked (E, N, K) expert tensor. Mixtral's per-expert
-    `block_sparse_moe.experts.E.w1` is `mlp.experts.E.gate_proj`; transformers 5's stacked `mlp.experts.gate_up_proj`
-    (E, 2F, C) is E gate_proj and E up_proj tensors (joined again into each expert's gate_up_proj)."""
-    name = key.removeprefix("model.")
-    m = re.fullmatch(r"(layers\.\d+\.)block_sparse_moe\.(experts\.\d+\.)(w[123])(\.weight)", name)
-    if m:
-        return [(m[1] + "mlp." + m[2] + HF_EXPERT_NAMES[m[3]] + m[4], tuple(shape), None)]
-    name = re.sub(r"^(layers\.\d+\.)block_sparse_moe\.gate\.", r"\1mlp.gate.", name)
-    m = re.fullmatch(r"(layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)", name)
-    if m is None or len(shape) != 3:
-        return [(name, tuple(shape), None)]
-    E, N, K = shape
-    if m[2] == "down_proj":
-        return [(f"{m[1]}{e}.down_proj.weight", (N, K), (e, 0, N)) for e in range(E)]
-    F = N // 2  # rows gate | up
-    return [(f"{m[1]}{e}.{part}.weight", (F, K), (e, i * F, F)) for e in range(E) for i, part in
-            enumerate(("gate_proj", "up_proj"))]
-
-
-def read_hf_tensor(handle, key: str, pick: tuple | None, name: str, shard, full_args: ModelArgs) -> torch.Tensor:
-    """The tensor `name` from a safetensors file (with a shard: only this rank's slice); pick as hf_tensor_names."""
-    if pick is None:
-        return shard.read(name, handle.get_slice(key), full_args) if shard else handle.get_tensor(key)
-    e, start, n = pick
-    t = handle.get_slice(key)[e:e + 1, start:start + n][0]  # (n, K): one expert's rows of the stacked tensor
-    return shard.take(name, t, full_args) if shard else t
-
-
-def read_json(path: str) -> dict:
-    """A JSON object from a file; anything else (unreadable, not UTF-8, not JSON, a list) is a ValueError."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON object, not a {type(value).__name__}")
-    return value
-
-
-def safetensors_files(path: str) -> list[str]:
-    """The folder's safetensors files: model.safetensors, or the shards its index lists (each must exist)."""
-    index_file = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index_file):
-        weight_map = read_json(index_file).get("weight_map")  # tensor name -> shard file
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ValueError(f"{index_file} has no weight_map object of tensor names and file names")
-        files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
-    for file in files:
-        if not os.path.isfile(os.path.join(path, file)):
-            raise FileNotFoundError(f"safetensors shard {os.path.join(path, file)!r} listed in the index is missing")
-    return files
-
-
-def open_safetensors(path: str, files: list[str]) -> tuple[dict, dict[str, tuple]]:
-    """({file: handle}, {our name: (file, key, shape, pick, safetensors dtype)}), nothing read but the headers."""
-    from safetensors import safe_open
-
-    handles, found = {}, {}
-    for file in files:
-        full = os.path.join(path, file)
-        try:
-            handles[file] = safe_open(full, framework="pt", device="cpu")
-            for key in handles[file].keys():
-                part = handles[file].get_slice(key)
-                for name, shape, pick in hf_tensor_names(key, part.get_shape()):
-                    found[name] = (file, key, shape, pick, part.get_dtype())
-        except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
-            raise ValueError(f"cannot read safetensors file {full!r}: {e}") from None
-    return handles, found
-
-
 def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, request: Request, shard) -> Transformer:
     """A Hugging Face folder: config.json plus model.safetensors or a sharded index;
     a folder export.py wrote is rebuilt with its quantized modules."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"no config.json in model folder {path!r}")
-    full_args = ModelArgs.from_hf_config(read_json(config_file))
-    files = safetensors_files(path)
+    full_args = ModelArgs.from_hf_config(hffolder.read_json(config_file))
+    files = hffolder.safetensors_files(path)
     saved = checkpoint_quantization(path, files, request)
     if saved is not None and shard is not None:
         raise ValueError(f"{path!r} is a quantized checkpoint, which tensor parallel cannot slice; load the "
@@ -386,7 +293,7 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, reques
         model = Transformer(shard.args(full_args) if shard else full_args)
     if saved is not None:  # the saved modules first: the file holds their buffers
         swap_linears(model, *saved)
-    handles, found = open_safetensors(path, files)
+    handles, found = hffolder.open_safetensors(path, files)
     shapes = {k: shard.local_shape(k, v[2], full_args) if shard else v[2] for k, v in found.items()}
     check_tensors(checkpoint_shapes(model), shapes, path)
     check_dtypes(model, {k: v[4] for k, v in found.items()}, path)
@@ -396,7 +303,7 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, reques
 
     for name, (file, key, _, pick, _) in tqdm(found.items(), desc="loading", disable=not progress, unit="tensor"):
         try:
-            t = read_hf_tensor(handles[file], key, pick, name, shard, full_args)
+            t = hffolder.read_tensor(handles[file], key, pick, name, shard, full_args)
         except Exception as e:
             raise ValueError(f"cannot read tensor {key!r} from {file!r}: {e}") from None
         filler.put(name, t)

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 import export
-from load import load_model, read_quantization
+from hffolder import read_quantization
+from load import load_model
 from model import ModelArgs
 from quantize import quantization_of
 from tiny_models import greedy_ids, hf_to_ours, make_hf

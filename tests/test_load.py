@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from cli import pick_dtype
 from helpers import PEAK_RSS, run_py
 from gguffile import unpermute_qk
-from load import load_model, read_quantization
+from hffolder import read_quantization
+from load import load_model
 from tiny_models import SEQ_LEN, greedy_ids, make_hf
 
 
@@ -260,12 +261,12 @@ class WeightRead(BaseException):
 def forbid_weight_reads(monkeypatch) -> None:
     """Reading any weight fails the test: the error must come from the checks that run before."""
     import gguffile
-    import load
+    import hffolder
 
     def read(*args, **kwargs):
         raise WeightRead("a weight was read before the error was found")
 
-    monkeypatch.setattr(load, "read_hf_tensor", read)
+    monkeypatch.setattr(hffolder, "read_tensor", read)
     monkeypatch.setattr(gguffile, "dequantize", read)
 
 

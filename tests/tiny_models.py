@@ -5,7 +5,8 @@ import math
 import torch
 
 from decode import generate
-from load import hf_tensor_names, load_state
+from hffolder import tensor_names
+from load import load_state
 from model import ModelArgs, Transformer
 from sample import SamplingParams
 
@@ -52,7 +53,7 @@ def hf_to_ours(hf) -> Transformer:
         model = Transformer(ModelArgs.from_hf_config(cfg))
     state = {}
     for key, t in hf.state_dict().items():
-        for name, _, pick in hf_tensor_names(key, tuple(t.shape)):
+        for name, _, pick in tensor_names(key, tuple(t.shape)):
             if name == "lm_head.weight" and model.args.tie_embeddings:
                 continue  # the embedding, as save_pretrained leaves it out of a checkpoint
             state[name] = (t if pick is None else t[pick[0], pick[1]:pick[1] + pick[2]]).clone()  # not hf's memory

@@ -386,7 +386,10 @@ def quantize_model(model: nn.Module, mode: str, quantize_head: bool = False) -> 
         raise ValueError("the model is quantized already; quantize from its float weights (load with quantize='none')")
     floats = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     for name, module in swap_linears(model, mode, quantize_head).items():
-        module.load_state_dict(module.quantize_weight(floats[name]))
+        for i in range(len(module.parts or [None])):  # a fused linear part by part, exactly as loading fills it
+            start, n = module.part_rows(i)
+            module.load_part(i, module.quantize_weight(floats[name][start:start + n]))
+        module.pack_for_kernel()
     if quantize_head and model.args.tie_embeddings:
         dtype = model.embed_tokens.weight.dtype
         model.embed_tokens.weight = nn.Parameter(model.lm_head.dequantize().to(dtype), requires_grad=False)

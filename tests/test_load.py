@@ -252,6 +252,34 @@ def test_fused_projections_split_and_join_back(mode):
         assert torch.allclose(mlp(x), want, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4:32"])
+def test_fused_rows_not_a_multiple_of_16(tmp_path, mode):
+    """qkv_proj of 66 + 22 + 22 = 110 rows (an Int4Linear pads them to 112, each part on its own to 80, 32, 32) and a
+    150-row head: quantizing at load gives exactly quantize_model's tensors, and an exported folder loads back to
+    them."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import export
+    from quantize import quantize_model
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=150, hidden_size=66, intermediate_size=72, num_hidden_layers=1,
+                                 num_attention_heads=3, num_key_value_heads=1, head_dim=22,
+                                 initializer_range=0.1)).save_pretrained(tmp_path / "src")
+    floats, _ = load_model(str(tmp_path / "src"), "cpu", torch.float32)
+    at_load, _ = load_model(str(tmp_path / "src"), "cpu", torch.float32, quantize=mode, quantize_head=True)
+    want = quantize_model(copy.deepcopy(floats), mode, quantize_head=True).state_dict()
+    got = at_load.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    out = tmp_path / "out"
+    assert export.main(["--model", str(tmp_path / "src"), "--mode", mode, "--quantize-head", "--out", str(out),
+                        "--dtype", "float32"]) == 0
+    loaded = load_model(str(out), "cpu", torch.float32)[0].state_dict()
+    assert loaded.keys() == got.keys() and all(torch.equal(loaded[k], got[k]) for k in got)
+
+
 # --- corrupt folders and files: one ValueError naming the problem, found before any weight is read ---
 
 class WeightRead(BaseException):

@@ -178,26 +178,41 @@ QUANTIZED = (Int8Linear, Int4Linear)  # the modules a float weight is quantized 
 
 
 class Filler:
-    """Fills a meta-device model with a checkpoint's tensors, each as it is read, under the names of the model the
-    file holds (taken at construction: a loader then swaps in the modules it builds, quantized ones or a Q8_0
-    head). finish() ties the head, packs quantized weights for their kernels and checks that every expected
-    tensor came, once, and nothing is left on the meta device."""
+    """Fills a meta-device model with a checkpoint's tensors as they are read, under the names of the model the file
+    holds (taken at construction; the loader then swaps in the modules it builds). finish() ties a float head and
+    checks that every expected tensor came, once, and nothing is left on the meta device."""
 
     def __init__(self, model: Transformer, device, dtype: torch.dtype, source: str):
         self.model, self.device, self.dtype, self.source = model, device, dtype, source
         self.expected, self.slots = set(checkpoint_shapes(model)), checkpoint_modules(model)
         self.filled: set[str] = set()
+        self.pending: dict[str, set[str]] = {}  # module -> its tensors still to come
+        for name in self.expected:
+            self.pending.setdefault(self.slots[name.rpartition(".")[0]][0], set()).add(name)
 
     def target(self, name: str) -> tuple[nn.Module, int, str]:
         """(module, part, tensor name) that checkpoint tensor `name` fills, recorded as filled."""
         if name not in self.expected or name in self.filled:
-            raise ValueError(f"{self.source}: unexpected tensor {name}" + (" (twice)" if name in self.filled else ""))
+            raise ValueError(f"{self.source}: " + (f"tensor {name} filled twice" if name in self.filled
+                                                   else f"unexpected tensor {name}"))
         self.filled.add(name)
         prefix, key = name.rsplit(".", 1)
         module, part = self.slots[prefix]
         if module == "embed_tokens" and self.model.args.tie_embeddings and isinstance(self.model.lm_head, QUANTIZED):
-            module = "lm_head"  # quantize_head: the one matrix is quantized into the head; finish() copies it back
+            module = "lm_head"  # quantize_head: the one matrix is quantized into the head (and copied back, done())
         return self.model.get_submodule(module), part, key
+
+    def done(self, name: str, module: nn.Module) -> None:
+        """After tensor `name` went into `module`: a quantized module whose tensors have all come is packed for its
+        kernel at once, so no plain copies pile up; a tied quantized head first gives the embedding its copy."""
+        pending = self.pending[self.slots[name.rpartition(".")[0]][0]]
+        pending.discard(name)
+        if pending or not isinstance(module, QUANTIZED):
+            return
+        if module is self.model.lm_head and self.model.args.tie_embeddings:  # the embedding: the head dequantized
+            w = dequantize_state(module, module.state_dict(), "")  # from the plain buffers, before packing
+            self.model.embed_tokens.weight = nn.Parameter(w.to(self.dtype), requires_grad=False)
+        module.pack_for_kernel()
 
     def put(self, name: str, t: torch.Tensor) -> None:
         """A tensor as the checkpoint stores it: a float weight of a quantized linear is quantized as it is read;
@@ -205,19 +220,22 @@ class Filler:
         module, part, key = self.target(name)
         if isinstance(module, QUANTIZED) and key == "weight" and t.is_floating_point():
             module.load_part(part, module.quantize_weight(t.to(self.device)))  # plain layout, as checkpoints store it
-            return
-        t = t.to(device=self.device, dtype=self.dtype) if t.is_floating_point() else t.to(self.device)
-        if isinstance(module, Parts):
-            module.load_part(part, {key: t})
+        elif isinstance(module, Parts):
+            module.load_part(part, {key: self.cast(t)})
         else:  # the embedding, norms and routers
             assert isinstance(getattr(module, key), nn.Parameter), f"{name}: {type(module).__name__}.{key}"
-            setattr(module, key, nn.Parameter(t, requires_grad=False))
+            setattr(module, key, nn.Parameter(self.cast(t), requires_grad=False))
+        self.done(name, module)
+
+    def cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device, dtype=self.dtype) if t.is_floating_point() else t.to(self.device)
 
     def put_int4_blocks(self, name: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         """A linear's int4 codes (N, K) with a scale and zero per block, taken as they are (a GGUF's Q4 blocks)."""
         module, part, _ = self.target(name)
         buffers = module.buffers_for_codes(codes, scales, zeros)
         module.load_part(part, {k: v.to(self.device) for k, v in buffers.items()})
+        self.done(name, module)
 
     def put_head_codes(self, name: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """The head as a GGUF's Q8_0 codes (Int8GroupLinear). A tied head's matrix is the embedding too: the loader
@@ -231,12 +249,6 @@ class Filler:
         model = self.model
         if model.args.tie_embeddings and isinstance(model.lm_head, nn.Linear):
             model.lm_head.weight = model.embed_tokens.weight  # one Parameter, as the model was built
-        elif model.args.tie_embeddings and isinstance(model.lm_head, QUANTIZED):  # the embedding: the head's copy
-            w = dequantize_state(model.lm_head, model.lm_head.state_dict(), "")  # before packing: the plain buffers
-            model.embed_tokens.weight = nn.Parameter(w.to(self.dtype), requires_grad=False)
-        for module in model.modules():
-            if isinstance(module, QUANTIZED):
-                module.pack_for_kernel()
         model.reset_rope(self.device)
         missing = sorted(self.expected - self.filled)
         on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]

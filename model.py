@@ -83,10 +83,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 class Parts:
-    """A linear that checkpoints store as separate tensors, its parts: `parts` {checkpoint name: output rows} in row
-    order (qkv_proj: q_proj | k_proj | v_proj), or None for a linear stored as itself. A loader hands in each part's
-    tensors as it reads them (load_part); parts_state gives them back as a checkpoint stores them. Mixed into Linear
-    and quantize.py's Int8Linear / Int4Linear, which say how their own tensors run over the rows."""
+    """A linear that checkpoints store as several tensors: `parts` {checkpoint name: rows} in row order (qkv_proj:
+    q_proj | k_proj | v_proj), or None for one stored as itself. A loader hands in each part as it reads it
+    (load_part); parts_state gives them back. quantize.py's Int8Linear / Int4Linear mix it in too (ROW_DIMS)."""
     parts: dict[str, int] | None = None
     ROW_DIMS: dict[str, int] = {}  # a tensor whose output rows are not its dim 0
 

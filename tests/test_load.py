@@ -72,6 +72,20 @@ def test_wrong_shape(single_file):
         load_model(str(folder), "cpu", torch.float32)
 
 
+def test_final_check_names_what_was_not_filled(single_file, monkeypatch):
+    """Strict loading's last check, against a loader that skips a tensor or fills one twice: the error names it."""
+    import load
+
+    folder, _ = single_file
+    put = load.Filler.put
+    monkeypatch.setattr(load.Filler, "put", lambda self, name, t: name == "norm.weight" or put(self, name, t))
+    with pytest.raises(ValueError, match=r"missing \['norm.weight'\], still on the meta device \['norm.weight'\]"):
+        load_model(str(folder), "cpu", torch.float32)
+    monkeypatch.setattr(load.Filler, "put", lambda self, name, t: [put(self, name, t) for _ in range(2)])
+    with pytest.raises(ValueError, match=r"tensor lm_head.weight filled twice"):  # the file's first
+        load_model(str(folder), "cpu", torch.float32)
+
+
 def test_truncated_safetensors(single_file):
     folder, _ = single_file
     data = (folder / "model.safetensors").read_bytes()

@@ -78,6 +78,19 @@ def auto_mode(model: Transformer) -> str:
     return "blocks" if model.embed_tokens.weight.device.type == "cpu" and dense else "none"
 
 
+def vector_width(model: Transformer) -> dict:
+    """Inductor's option naming the vector width its CPU kernels are written for: the width it picks anyway (512
+    bits where torch dispatches AVX-512, 256 under ATEN_CPU_CAPABILITY=avx2), so nothing changes but its cache
+    key. Inductor's on-disk cache leaves the capability out of the key (torch 2.13), so without the option a run
+    under avx2 reuses kernels written for 16-float vectors and compiles them for 8-float ones; their loads and
+    stores of 16 then copy 16 floats through an 8-float stack buffer: NaN logits and a corrupted heap."""
+    if model.embed_tokens.weight.device.type != "cpu":
+        return {}
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return {"cpp.simdlen": pick_vec_isa().bit_width()}
+
+
 def compile_failure(e: Exception) -> str:
     """A torch.compile error in one line."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -108,7 +121,7 @@ class Step:
         cpu = model.embed_tokens.weight.device.type == "cpu"
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
         # first compile (README, Benchmarks).
-        options = {"cpp_wrapper": True} if cpu else {}
+        options = {"cpp_wrapper": True, **vector_width(model)} if cpu else {}
         if self.mode == "blocks":
             # Dynamo keeps its graphs on the code object, guarded on the module types (those guards stay): every
             # layer of this model shares one graph. A code object of its own per Step keeps another model's graphs,
@@ -128,8 +141,8 @@ class Step:
             int8 = any(isinstance(x, Int8Linear) for x in self.model.modules())
             options.update({"triton.cudagraphs": True, "coordinate_descent_tuning": int8})
         one = torch.compile(own_code(forward_logits), fullgraph=True, options=options)
-        many = torch.compile(own_code(forward_logits), fullgraph=True, dynamic=True, options=guards) \
-            if prefill else forward_logits
+        many = torch.compile(own_code(forward_logits), fullgraph=True, dynamic=True,
+                             options={**guards, **vector_width(self.model)}) if prefill else forward_logits
         return one, many
 
     def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,

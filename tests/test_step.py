@@ -1,11 +1,13 @@
 """step.Step, the one policy for how a model's forwards run: its modes, what `auto` picks, the compiled block and
 the compiled step against eager, per-model graphs, the prefill compile, the GEMV backend, and a compile failure
-(a fallback to eager that the step then reports, or a one-line error)."""
+(a fallback to eager that the step then reports, or a one-line error), and Inductor's on-disk cache shared by
+processes that dispatch different CPU kernels."""
 import copy
 
 import pytest
 import torch
 
+from helpers import run_py
 from kvcache import KVCache
 from step import Step, auto_mode, eager, gemv_backend
 
@@ -197,6 +199,53 @@ def test_compiled_prefill_has_dynamic_length(tiny):
     for i, n in enumerate([5, 9, DECODE_QUERIES, DECODE_QUERIES + 7, 40]):
         with torch._dynamo.config.patch(error_on_recompile=i not in (0, 3)):
             assert (prefill(compiled, n) - prefill(Step(tiny), n)).abs().max() <= 1e-4
+
+
+# A fresh process: a random model of the tiny shapes (head dim 24, MLP width 112: kernels with partial vectors),
+# two rows decoded by blocks and by the full step with its compiled prefill; prints how far each is from eager.
+COMPILED_VS_EAGER = """
+import torch
+from kvcache import KVCache
+from model import ModelArgs, Transformer
+from step import Step
+
+torch.manual_seed(0)
+torch.set_grad_enabled(False)
+model = Transformer(ModelArgs(vocab_size=160, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=24,
+                              hidden_dim=112, max_seq_len=64))
+
+def decode(step, n=8, rows=2):
+    cache = KVCache.for_model(model.args, rows, 5 + n, torch.float32, "cpu")
+    logits = [step(torch.arange(1, 6).repeat(rows, 1), torch.arange(5), cache)]
+    for pos in range(5, 5 + n):
+        logits.append(step(logits[-1].argmax(-1, keepdim=True), torch.tensor([pos]), cache))
+    return torch.stack(logits)
+
+ref = decode(Step(model))
+print(*[(decode(Step(model, mode, prefill)) - ref).abs().max().item() for mode, prefill in
+        [("blocks", False), ("full", True)]])
+"""
+
+
+@pytest.mark.slow
+def test_a_cache_written_for_avx512_serves_no_avx2_process(tmp_path, monkeypatch):
+    """Two processes share Inductor's cache, one with AVX-512 kernels, then one under ATEN_CPU_CAPABILITY=avx2 (as
+    the suite runs both): each compiles kernels of its own vector width (step.vector_width), so the second gets
+    eager's logits too. It used to load the first one's kernels, written for 16-float vectors, and build them for
+    8-float ones: NaN logits, and in longer runs a corrupted heap."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    if not {256, 512} <= {isa.bit_width() for isa in valid_vec_isa_list()}:
+        pytest.skip("Inductor writes only one vector width for this CPU: no other can reuse its kernels")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    for capability in (None, "avx2"):
+        if capability is None:
+            monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+        else:
+            monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+        result = run_py("-c", COMPILED_VS_EAGER)
+        assert result.returncode == 0, (capability, result.stderr[-2000:])
+        assert all(float(d) <= 1e-4 for d in result.stdout.split()), (capability, result.stdout)
 
 
 def test_gemv_backend_only_for_single_row_cpu_steps(tiny):

@@ -281,20 +281,21 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
         self.register_buffer("rope_sin", freqs.sin(), persistent=False)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        input_pos: torch.Tensor,
-        cache: KVCache | None = None,
-        all_logits: bool = False,
-        run_block: Callable[..., torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache | None = None,
+                all_logits: bool = False) -> torch.Tensor:
         """tokens (B, T) at positions input_pos: (T,) shared by all rows, or (B, T) per row (batches of
         different lengths). With a cache, keys/values are written to it at input_pos and attention covers
         every cached position; without one, only these T tokens.
-        run_block(block, x, input_pos, cos, sin, mask, layer_cache) runs each layer instead of the Block's own
-        forward: step.Step passes Block.forward compiled.
         Returns float32 logits (B, T, V), or (B, 1, V) for the last position unless all_logits."""
+        x, cos, sin, mask = self.inputs(tokens, input_pos, cache)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, input_pos, cos, sin, mask, None if cache is None else cache.layers[i])
+        return self.head(x, all_logits)
+
+    def inputs(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache | None):
+        """What every layer takes: the embeddings (B, T, C), RoPE's cos and sin at input_pos and the attention
+        mask over the cache's slots (or the T tokens without one). step.py runs its compiled layers between
+        inputs() and head()."""
         x = self.embed_tokens(tokens)  # (B, T, C)
         # computed in float32, rounded to the activations' dtype once for every layer (as transformers does)
         cos, sin = self.rope_cos[input_pos].to(x.dtype), self.rope_sin[input_pos].to(x.dtype)  # (T, D/2) or (B, T, D/2)
@@ -302,9 +303,10 @@ class Transformer(nn.Module):
         mask = attention_mask(input_pos, k_pos, self.args.sliding_window)  # (T, S) or (B, T, S)
         if input_pos.dim() == 2:
             cos, sin, mask = cos[:, None], sin[:, None], mask[:, None]  # broadcast over heads: (B, 1, T, .)
-        run_block = run_block or Block.__call__
-        for i, layer in enumerate(self.layers):
-            x = run_block(layer, x, input_pos, cos, sin, mask, None if cache is None else cache.layers[i])
+        return x, cos, sin, mask
+
+    def head(self, x: torch.Tensor, all_logits: bool) -> torch.Tensor:
+        """The last layer's output (B, T, C) -> float32 logits (B, T, V), or (B, 1, V) unless all_logits."""
         if not all_logits:
             x = x[:, -1:]  # (B, 1, C): generation only needs the next-token distribution
         return self.lm_head(self.norm(x)).float()  # (B, T or 1, V)

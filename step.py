@@ -27,11 +27,18 @@ COMPILE_HELP = ("none: eager; blocks: one compiled graph for every layer's decod
 
 
 def forward_logits(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
-                   all_logits: bool = False, run_block: Callable | None = None) -> torch.Tensor:
+                   all_logits: bool = False, block: Callable | None = None) -> torch.Tensor:
     """tokens (B, T) at input_pos (T,) or (B, T) -> the logits after the last token (B, V), or after every token
     (B, T, V). With T = 1 this is the decode step: fixed shapes, the function torch.compile compiles.
-    run_block: what runs each layer (Transformer.forward), None for the Block itself."""
-    logits = model(tokens, input_pos, cache, all_logits=all_logits, run_block=run_block)
+    block(layer, x, input_pos, cos, sin, mask, layer_cache): what runs each layer in place of its own forward
+    (the blocks mode's compiled Block.forward); None: the model's own forward."""
+    if block is None:
+        logits = model(tokens, input_pos, cache, all_logits=all_logits)
+    else:
+        x, cos, sin, mask = model.inputs(tokens, input_pos, cache)
+        for layer, layer_cache in zip(model.layers, cache.layers):
+            x = block(layer, x, input_pos, cos, sin, mask, layer_cache)
+        logits = model.head(x, all_logits)
     return logits if all_logits else logits[:, -1]
 
 
@@ -51,10 +58,10 @@ def gemv_backend(tokens: torch.Tensor):
 
 
 def eager(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
-          all_logits: bool = False, run_block: Callable | None = None) -> torch.Tensor:
+          all_logits: bool = False, block: Callable | None = None) -> torch.Tensor:
     """forward_logits with the matmul backend that suits the row count (gemv_backend)."""
     with gemv_backend(tokens):
-        return forward_logits(model, tokens, input_pos, cache, all_logits, run_block)
+        return forward_logits(model, tokens, input_pos, cache, all_logits, block)
 
 
 def own_code(fn: Callable) -> Callable:
@@ -151,7 +158,7 @@ class Step:
         model, T = self.model, tokens.shape[1]
         try:
             if self.mode == "blocks" and (T == 1 or all_logits and T <= DECODE_QUERIES):
-                return eager(model, tokens, input_pos, cache, all_logits, run_block=self.block)
+                return eager(model, tokens, input_pos, cache, all_logits, block=self.block)
             if self.mode == "full":
                 if T > 1:
                     return self.many(model, tokens, input_pos, cache, all_logits)

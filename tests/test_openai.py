@@ -330,9 +330,10 @@ def test_named_and_required_tool_calls_are_valid_by_construction(reference):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, BOOK, SEARCH)}
 
     async def one(c, prompt, seed, choice):
+        # parallel_tool_calls false: one call each (with several allowed, a sampled "required" may go on calling)
         r = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
                                             tools=[WEATHER, BOOK, SEARCH], tool_choice=choice, temperature=0.8,
-                                            seed=seed, max_tokens=250)
+                                            seed=seed, max_tokens=250, parallel_tool_calls=False)
         return r.choices[0]
 
     async def fn(c, h):
@@ -349,9 +350,9 @@ def test_named_and_required_tool_calls_are_valid_by_construction(reference):
         assert tool_call.type == "function" and tool_call.function.name == name and tool_call.id
         jsonschema.validate(json.loads(tool_call.function.arguments), schemas[name])
     for choice in required:
-        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
-        for tool_call in choice.message.tool_calls:
-            jsonschema.validate(json.loads(tool_call.function.arguments), schemas[tool_call.function.name])
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+        tool_call = choice.message.tool_calls[0]
+        jsonschema.validate(json.loads(tool_call.function.arguments), schemas[tool_call.function.name])
 
 
 def test_tool_calls_stream_and_round_trip(reference):

@@ -200,7 +200,7 @@ def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs
 
 @torch.inference_mode()
 def mask_cost(grammar, vocab_size: int, batch_size: int, steps: int, device) -> dict:
-    """Seconds per decode step that structured output adds: the masks of batch_size rows (decode.sample_tokens: one
+    """Seconds per decode step that structured output adds: the masks of batch_size rows (sample.sample_tokens: one
     call for the batch; the engine: one per row) and the matchers taking their tokens. The rows walk the grammar
     along one path of random allowed tokens (seeded), starting over when it is complete."""
     from grammar import advance, mask_logits

@@ -11,14 +11,13 @@ tensors: write to one again only inside inference mode.
 Shape legend: B rows, T tokens fed, V vocab.
 """
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from grammar import Grammar, Matcher, advance, mask_logits
+from grammar import Grammar, Matcher
 from kvcache import KVCache
 from model import Transformer
-from sample import SamplingParams, apply_penalties, sample, sampled_logprobs, token_counts
+from sample import SamplingParams, Token, penalty_state, sample_tokens
 from step import Step
 
 PAD_ID = 0  # feeds finished batch rows; its keys/values are never attended
@@ -28,16 +27,6 @@ def new_cache(model: Transformer, batch_size: int, max_seq_len: int, kv_dtype: s
     """The KV cache every generation path uses (single, batched, session); kv_dtype as KVCache takes it."""
     weight = model.embed_tokens.weight
     return KVCache.for_model(model.args, batch_size, max_seq_len, weight.dtype, weight.device, kv_dtype)
-
-
-@dataclass
-class Token:
-    """One generated token; with logprobs asked for, its log-probability and the top alternatives. The last token
-    of a generation carries why it ended (end_reason)."""
-    id: int
-    logprob: float | None = None  # under the distribution it was drawn from (sample.sampled_logprobs)
-    top: list[tuple[int, float]] | None = None  # up to N (id, logprob) of that distribution, most likely first
-    end: str | None = None  # "eos", "length" or "stop" (a grammar completed) on the last token, else None
 
 
 def end_reason(token: int, n_new: int, n_tokens: int, max_new_tokens: int, max_len: int,
@@ -125,49 +114,6 @@ class Session:
         """How many leading tokens of `prompt` the cache already holds. The last prompt token is always
         fed again: its logits start the decoding."""
         return common_prefix(self.tokens, prompt[:-1])
-
-
-def penalty_state(params: SamplingParams, prompts: Sequence[list[int]],
-                  model: Transformer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(seen (B, V) bool: prompt tokens, generated (B, V) zero counts) when penalties are on, else (None, None)."""
-    if not params.penalized:
-        return None, None
-    seen = token_counts(list(prompts), model.args.vocab_size, model.embed_tokens.weight.device) > 0
-    return seen, torch.zeros(seen.shape, device=seen.device)
-
-
-def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                  seen: torch.Tensor | None, generated: torch.Tensor | None,
-                  logprobs: int | None, matchers: Sequence[Matcher | None] | None = None
-                  ) -> tuple[torch.Tensor, list[Token]]:
-    """(B, V) logits -> (B,) next tokens: penalties, the grammar masks (a row's matcher, if any, sets the tokens its
-    grammar forbids to -inf, then takes the sampled token), then sample.sample; counts them into the penalty state
-    (seen, generated) in place. Also a Token per row, with the log-probabilities it was drawn from and the top
-    `logprobs` alternatives when logprobs is not None."""
-    if seen is not None:
-        logits = apply_penalties(logits, seen, generated, params)
-    if matchers is not None:
-        logits = mask_logits(logits, list(matchers))
-    tokens = sample(logits, params, generator)  # (B,)
-    if matchers is not None:
-        advance(list(matchers), tokens.tolist())
-    if seen is not None:  # the new tokens count for the next step's penalties
-        rows = torch.arange(len(tokens), device=tokens.device)
-        seen[rows, tokens] = True
-        generated[rows, tokens] += 1
-    if logprobs is None:
-        return tokens, [Token(t) for t in tokens.tolist()]
-    lp = sampled_logprobs(logits, params)  # (B, V)
-    chosen = lp.gather(-1, tokens[:, None])[:, 0].tolist()  # (B,)
-    top_lp, top_ids = lp.topk(min(logprobs, lp.shape[-1]), dim=-1)  # (B, N)
-    out = []
-    for b, token in enumerate(tokens.tolist()):
-        # Tokens that top-k/top-p/min-p removed have probability 0: they are no alternative. Among equal
-        # log-probabilities the chosen token goes first (topk orders ties arbitrarily; argmax takes the first).
-        top = [(i, v) for i, v in zip(top_ids[b].tolist(), top_lp[b].tolist()) if v > float("-inf")]
-        top.sort(key=lambda iv: (-iv[1], iv[0] != token))
-        out.append(Token(token, chosen[b], top))
-    return tokens, out
 
 
 @torch.inference_mode()

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode import Token, check_request, check_step, end_reason, penalty_state, sample_tokens
+from decode import check_request, check_step, end_reason
 from grammar import Grammar, Matcher
 from kvcache import BlockPool, PagedKVCache
 from model import Transformer
-from sample import SamplingParams
+from sample import SamplingParams, Token, penalty_state, sample_tokens
 from step import Step
 from text import Completion, TextStream, finish_reason, push_token
 
@@ -91,7 +91,7 @@ class Seq:
     tokens: list[int]
     text: TextStream
     generator: torch.Generator
-    seen: torch.Tensor | None  # penalty state, as decode.sample_tokens keeps it
+    seen: torch.Tensor | None  # penalty state, as sample.sample_tokens keeps it
     generated: torch.Tensor | None
     matcher: Matcher | None  # where the output is in its grammar (kept across preemption, like the tokens)
     blocks: list[int] = field(default_factory=list)

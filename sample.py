@@ -1,12 +1,17 @@
-"""Next-token sampling: pure functions of logits and an explicit torch.Generator.
+"""Next-token sampling: pure functions of logits and an explicit torch.Generator, and sample_tokens, the one
+sampling step every loop (plain, batched, engine) calls.
 
-Order: penalties -> temperature -> top-k -> top-p -> min-p -> draw. Temperature 0 is greedy (argmax of the
-penalized logits), not a tiny float. Shape legend: B rows, V vocab.
+Order: penalties -> grammar masks -> temperature -> top-k -> top-p -> min-p -> draw. Temperature 0 is greedy
+(argmax of the penalized logits), not a tiny float. Shape legend: B rows, V vocab.
 """
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from grammar import Matcher, advance, mask_logits
+from model import Transformer
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float = 0.0,
@@ -121,3 +126,56 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     return torch.multinomial(logits_to_probs(logits, params), 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class Token:
+    """One generated token; with logprobs asked for, its log-probability and the top alternatives. The last token
+    of a generation carries why it ended (decode.end_reason)."""
+    id: int
+    logprob: float | None = None  # under the distribution it was drawn from (sample.sampled_logprobs)
+    top: list[tuple[int, float]] | None = None  # up to N (id, logprob) of that distribution, most likely first
+    end: str | None = None  # "eos", "length" or "stop" (a grammar completed) on the last token, else None
+
+
+def penalty_state(params: SamplingParams, prompts: Sequence[list[int]],
+                  model: Transformer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(seen (B, V) bool: prompt tokens, generated (B, V) zero counts) when penalties are on, else (None, None)."""
+    if not params.penalized:
+        return None, None
+    seen = token_counts(list(prompts), model.args.vocab_size, model.embed_tokens.weight.device) > 0
+    return seen, torch.zeros(seen.shape, device=seen.device)
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                  seen: torch.Tensor | None, generated: torch.Tensor | None,
+                  logprobs: int | None, matchers: Sequence[Matcher | None] | None = None
+                  ) -> tuple[torch.Tensor, list[Token]]:
+    """(B, V) logits -> (B,) next tokens: penalties, the grammar masks (a row's matcher, if any, sets the tokens its
+    grammar forbids to -inf, then takes the sampled token), then sample.sample; counts them into the penalty state
+    (seen, generated) in place. Also a Token per row, with the log-probabilities it was drawn from and the top
+    `logprobs` alternatives when logprobs is not None."""
+    if seen is not None:
+        logits = apply_penalties(logits, seen, generated, params)
+    if matchers is not None:
+        logits = mask_logits(logits, list(matchers))
+    tokens = sample(logits, params, generator)  # (B,)
+    if matchers is not None:
+        advance(list(matchers), tokens.tolist())
+    if seen is not None:  # the new tokens count for the next step's penalties
+        rows = torch.arange(len(tokens), device=tokens.device)
+        seen[rows, tokens] = True
+        generated[rows, tokens] += 1
+    if logprobs is None:
+        return tokens, [Token(t) for t in tokens.tolist()]
+    lp = sampled_logprobs(logits, params)  # (B, V)
+    chosen = lp.gather(-1, tokens[:, None])[:, 0].tolist()  # (B,)
+    top_lp, top_ids = lp.topk(min(logprobs, lp.shape[-1]), dim=-1)  # (B, N)
+    out = []
+    for b, token in enumerate(tokens.tolist()):
+        # Tokens that top-k/top-p/min-p removed have probability 0: they are no alternative. Among equal
+        # log-probabilities the chosen token goes first (topk orders ties arbitrarily; argmax takes the first).
+        top = [(i, v) for i, v in zip(top_ids[b].tolist(), top_lp[b].tolist()) if v > float("-inf")]
+        top.sort(key=lambda iv: (-iv[1], iv[0] != token))
+        out.append(Token(token, chosen[b], top))
+    return tokens, out

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode import Token, check_request, check_step, common_prefix, end_reason, new_cache
+from decode import check_request, check_step, common_prefix, end_reason, new_cache
 from model import Transformer
-from sample import SamplingParams, logits_to_probs, sample
+from sample import SamplingParams, Token, logits_to_probs, sample
 from step import Step
 
 

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from decode import Session, common_prefix, end_reason, generate, generate_batch, new_cache, sample_tokens
+from decode import Session, common_prefix, end_reason, generate, generate_batch, new_cache
 from helpers import complete_greedy
-from sample import SamplingParams, apply_penalties, logits_to_logprobs, token_counts
+from sample import SamplingParams, apply_penalties, logits_to_logprobs, sample_tokens, token_counts
 from text import complete_batch
 from tiny_models import greedy_ids, greedy_uncached, last_logits
 

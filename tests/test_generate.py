@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import generate
-from decode import Token
 from helpers import ROOT, ToyTokenizer, child_env, run_py
-from sample import SamplingParams
+from sample import SamplingParams, Token
 from text import Completion
 from tiny_models import greedy_ids
 

@@ -159,8 +159,8 @@ def run_once(model, step: Step, batch_size: int, prompt_len: int, new_tokens: in
     args = model.args
     prompts = torch.randint(0, args.vocab_size, (batch_size, prompt_len)).tolist()
     greedy = SamplingParams(temperature=0)  # no stop ids: every run generates new_tokens
-    tokens = generate(model, prompts[0], new_tokens, greedy, step=step) if batch_size == 1 else \
-        generate_batch(model, prompts, new_tokens, greedy, step=step)
+    tokens = generate(model, prompts[0], max_new_tokens=new_tokens, params=greedy, step=step) if batch_size == 1 \
+        else generate_batch(model, prompts, max_new_tokens=new_tokens, params=greedy, step=step)
     sync(device)
     t0 = time.perf_counter()
     next(tokens)

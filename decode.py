@@ -120,6 +120,7 @@ class Session:
 def generate(
     model: Transformer,
     prompt: list[int],
+    *,
     max_new_tokens: int,
     params: SamplingParams = SamplingParams(),
     generator: torch.Generator | None = None,
@@ -171,6 +172,7 @@ def generate(
 def generate_batch(
     model: Transformer,
     prompts: list[list[int]],
+    *,
     max_new_tokens: int,
     params: SamplingParams = SamplingParams(),
     generator: torch.Generator | None = None,

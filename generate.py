@@ -269,8 +269,9 @@ def run(args: argparse.Namespace) -> None:
         chat(args, model, tokenizer, params, generator, step, setup_line, system, grammar)
     elif args.prompts_file:
         n_new = new_tokens(args.max_new_tokens, max(map(len, prompts)), model.args.max_seq_len)
-        rows = generate_batch(model, prompts, n_new, params, generator, tokenizer.eos_ids, step,
-                              args.logprobs, args.kv_cache_dtype, grammar)
+        rows = generate_batch(model, prompts, max_new_tokens=n_new, params=params, generator=generator,
+                              stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs,
+                              kv_dtype=args.kv_cache_dtype, grammar=grammar)
         completions = complete_batch(rows, tokenizer, [len(p) for p in prompts], stop=args.stop)
         for n, c in enumerate(completions, 1):
             if args.json:
@@ -293,11 +294,13 @@ def run(args: argparse.Namespace) -> None:
         if speculating(args):  # the same tokens and distribution, up to --speculate-k tokens per target forward
             draft = make_draft(args, model, path, device, dtype, progress)
             stats = SpecStats(args.speculate_k)
-            tokens = speculative.generate(model, draft, prompt, n_new, params, generator,
-                                          tokenizer.eos_ids, args.speculate_k, stats, step)
+            tokens = speculative.generate(model, draft, prompt, max_new_tokens=n_new, params=params,
+                                          generator=generator, stop_ids=tokenizer.eos_ids, k=args.speculate_k,
+                                          stats=stats, step=step)
         else:
-            tokens = generate(model, prompt, n_new, params, generator, tokenizer.eos_ids, step,
-                              args.logprobs, kv_dtype=args.kv_cache_dtype, grammar=grammar)
+            tokens = generate(model, prompt, max_new_tokens=n_new, params=params, generator=generator,
+                              stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs,
+                              kv_dtype=args.kv_cache_dtype, grammar=grammar)
         c = complete(tokens, tokenizer, len(prompt), stop=args.stop, on_text=on_text)
         print(json.dumps(completion_json(c, tokenizer), ensure_ascii=False) if args.json else "", flush=True)
         if not args.json:
@@ -403,8 +406,10 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
         prompt = chat_tokens(tokenizer, messages)
         on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
         prefilled = len(prompt) - session.reusable(prompt)
-        tokens = generate(model, prompt, new_tokens(args.max_new_tokens, len(prompt), model.args.max_seq_len), params,
-                          generator, tokenizer.eos_ids, step, args.logprobs, session, grammar=grammar)
+        n_new = new_tokens(args.max_new_tokens, len(prompt), model.args.max_seq_len)
+        tokens = generate(model, prompt, max_new_tokens=n_new, params=params, generator=generator,
+                          stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs, session=session,
+                          grammar=grammar)
         c = complete(tokens, tokenizer, len(prompt), prefilled, stop=args.stop, on_text=on_text)
         print(json.dumps(completion_json(c, tokenizer), ensure_ascii=False) if args.json else "", flush=True)
         if not args.json:

@@ -175,6 +175,7 @@ def generate(
     model: Transformer,
     draft: ModelDraft | PromptLookupDraft,
     prompt: list[int],
+    *,
     max_new_tokens: int,
     params: SamplingParams = SamplingParams(),
     generator: torch.Generator | None = None,

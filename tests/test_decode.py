@@ -22,10 +22,10 @@ def test_greedy_matches_uncached_loop(tiny):
 
 
 def test_last_token_says_why_generation_ended(tiny):
-    tokens = list(generate(tiny, PROMPT, 12))
+    tokens = list(generate(tiny, PROMPT, max_new_tokens=12))
     assert len(tokens) == 12 and [t.end for t in tokens] == [None] * 11 + ["length"]
     stop = tokens[4].id
-    ended = list(generate(tiny, PROMPT, 12, stop_ids=[stop]))
+    ended = list(generate(tiny, PROMPT, max_new_tokens=12, stop_ids=[stop]))
     assert ended[-1].id == stop and ended[-1].end == "eos" and all(t.end is None for t in ended[:-1])
 
 
@@ -39,7 +39,7 @@ def test_stops_after_stop_id(tiny):
 def test_stops_at_context_limit(tiny):
     context = tiny.args.max_seq_len  # 256
     prompt = list(range(1, 151)) + list(range(1, 101))  # 250 tokens
-    tokens = list(generate(tiny, prompt, 100))
+    tokens = list(generate(tiny, prompt, max_new_tokens=100))
     got = [t.id for t in tokens]
     # The last position (context - 1) can be fed, so its logits give one more token: context - len + 1.
     assert len(got) == context - len(prompt) + 1 and tokens[-1].end == "length"
@@ -57,11 +57,11 @@ def test_end_reason():
 
 def test_bad_requests(tiny):
     with pytest.raises(ValueError, match="the prompt is 256 tokens, longer than the model's context of 255"):
-        list(generate(tiny, [1] * 256, 10))
+        list(generate(tiny, [1] * 256, max_new_tokens=10))
     with pytest.raises(ValueError, match="the prompt is empty"):
-        list(generate(tiny, [], 10))
+        list(generate(tiny, [], max_new_tokens=10))
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
-        list(generate(tiny, [1, 2], 0))
+        list(generate(tiny, [1, 2], max_new_tokens=0))
 
 
 def test_common_prefix():
@@ -79,7 +79,7 @@ def test_seeded_sampling_is_reproducible(tiny):
 
 
 def test_int8_kv_cache_generation_runs_to_the_end(tiny):
-    tokens = list(generate(tiny, PROMPT, 20, kv_dtype="int8"))
+    tokens = list(generate(tiny, PROMPT, max_new_tokens=20, kv_dtype="int8"))
     assert len(tokens) == 20 and tokens[-1].end == "length"
     assert new_cache(tiny, 1, 8, "int8").bytes_per_token < new_cache(tiny, 1, 8).bytes_per_token
 
@@ -128,8 +128,8 @@ def test_penalized_greedy_matches_uncached_reference(tiny):
 
 
 def test_logprobs_at_temperature_1_are_the_models_log_softmax(tiny):
-    tokens = list(generate(tiny, PROMPT, 20, SamplingParams(temperature=1.0), torch.Generator().manual_seed(1),
-                           logprobs=3))
+    tokens = list(generate(tiny, PROMPT, max_new_tokens=20, params=SamplingParams(temperature=1.0),
+                           generator=torch.Generator().manual_seed(1), logprobs=3))
     seq = list(PROMPT)
     for token in tokens:
         ref = torch.log_softmax(last_logits(tiny, seq), -1)
@@ -142,7 +142,8 @@ def test_logprobs_at_temperature_1_are_the_models_log_softmax(tiny):
 
 def test_logprobs_are_of_the_processed_distribution(tiny):
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9)
-    tokens = list(generate(tiny, PROMPT, 20, params, torch.Generator().manual_seed(2), logprobs=50))
+    tokens = list(generate(tiny, PROMPT, max_new_tokens=20, params=params, generator=torch.Generator().manual_seed(2),
+                           logprobs=50))
     seq = list(PROMPT)
     for token in tokens:
         ref = logits_to_logprobs(last_logits(tiny, seq)[None], params)[0]
@@ -155,7 +156,7 @@ def test_logprobs_are_of_the_processed_distribution(tiny):
 
 def test_greedy_logprobs_are_the_unfiltered_distribution(tiny):
     prompt = [5, 17, 42]
-    (token,) = generate(tiny, prompt, 1, SamplingParams(temperature=0.0, top_k=2), logprobs=4)
+    (token,) = generate(tiny, prompt, max_new_tokens=1, params=SamplingParams(temperature=0.0, top_k=2), logprobs=4)
     ref = torch.log_softmax(last_logits(tiny, prompt), -1)
     assert token.id == ref.argmax().item() and abs(token.logprob - ref.max().item()) <= 1e-5
     assert len(token.top) == 4
@@ -172,7 +173,7 @@ def test_greedy_token_leads_its_alternatives_on_a_tie():
 
 
 def test_no_logprobs_unless_asked(tiny):
-    token = next(generate(tiny, PROMPT, 3))
+    token = next(generate(tiny, PROMPT, max_new_tokens=3))
     assert token.logprob is None and token.top is None
 
 
@@ -193,10 +194,10 @@ def test_batched_greedy_matches_one_at_a_time(tiny):
     g = torch.Generator().manual_seed(0)
     lengths = [3, 17, 9, 40, 250]  # the last one reaches the 256-token context before max_new_tokens
     prompts = [torch.randint(1, 160, (n,), generator=g).tolist() for n in lengths]
-    alone = [list(generate(tiny, p, 20)) for p in prompts]
+    alone = [list(generate(tiny, p, max_new_tokens=20)) for p in prompts]
     stop = alone[1][4].id  # ends row 1 early, and any other row that produces it
-    alone = [list(generate(tiny, p, 20, stop_ids=[stop])) for p in prompts]
-    rows = rows_of(generate_batch(tiny, prompts, 20, stop_ids=[stop]))
+    alone = [list(generate(tiny, p, max_new_tokens=20, stop_ids=[stop])) for p in prompts]
+    rows = rows_of(generate_batch(tiny, prompts, max_new_tokens=20, stop_ids=[stop]))
     assert [[t.id for t in r] for r in rows] == [[t.id for t in r] for r in alone]
     assert [[t.end for t in r] for r in rows] == [[t.end for t in r] for r in alone]  # and why each row ended
     assert len(alone[4]) == 256 - 250 + 1 and len(alone[1]) <= 5 and len({len(r) for r in alone}) >= 3
@@ -206,8 +207,8 @@ def test_batched_greedy_matches_one_at_a_time(tiny):
 def test_batched_penalties_and_logprobs_match_one_at_a_time(tiny):
     prompts = [[5, 5, 6], [9, 8, 7, 6, 5, 4, 3, 2, 1, 5, 5], [42] * 6]
     params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2)
-    alone = [list(generate(tiny, p, 12, params, logprobs=2)) for p in prompts]
-    rows = rows_of(generate_batch(tiny, prompts, 12, params, logprobs=2))
+    alone = [list(generate(tiny, p, max_new_tokens=12, params=params, logprobs=2)) for p in prompts]
+    rows = rows_of(generate_batch(tiny, prompts, max_new_tokens=12, params=params, logprobs=2))
     for got, ref in zip(rows, alone):
         assert [s.id for s in got] == [s.id for s in ref]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(got, ref)) <= 1e-5
@@ -215,7 +216,7 @@ def test_batched_penalties_and_logprobs_match_one_at_a_time(tiny):
 
 def test_batch_rejects_no_prompts(tiny):
     with pytest.raises(ValueError, match="no prompts"):
-        next(generate_batch(tiny, [], 4))
+        next(generate_batch(tiny, [], max_new_tokens=4))
 
 
 @pytest.mark.slow
@@ -225,8 +226,8 @@ def test_batched_smollm2_matches_one_at_a_time(smollm2):
              "def fibonacci(n):", "List three colors:"]
     prompts = [tok.encode(t) for t in texts]
     assert len({len(p) for p in prompts}) == 4
-    batch = complete_batch(generate_batch(model, prompts, 16, stop_ids=tok.eos_ids), tok, [len(p) for p in prompts],
-                           stop=["\n\n"])
+    batch = complete_batch(generate_batch(model, prompts, max_new_tokens=16, stop_ids=tok.eos_ids), tok,
+                           [len(p) for p in prompts], stop=["\n\n"])
     for c, prompt in zip(batch, prompts):
         ref = complete_greedy(model, tok, prompt, 16, stop=["\n\n"])
         assert (c.tokens, c.text, c.finish_reason) == (ref.tokens, ref.text, ref.finish_reason)
@@ -255,8 +256,8 @@ def test_session_prefills_only_the_new_tokens(tiny):
 def test_session_cache_limit(tiny):
     session = Session(tiny, max_seq_len=16)
     with pytest.raises(ValueError, match="the prompt is 20 tokens, longer than the session's limit of 15"):
-        list(generate(tiny, list(range(1, 21)), 4, session=session))
-    tokens = list(generate(tiny, list(range(1, 11)), 40, session=session))
+        list(generate(tiny, list(range(1, 21)), max_new_tokens=4, session=session))
+    tokens = list(generate(tiny, list(range(1, 11)), max_new_tokens=40, session=session))
     assert len(tokens) == 16 - 10 + 1 and tokens[-1].end == "length"
 
 

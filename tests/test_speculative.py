@@ -103,7 +103,8 @@ def test_verify_edge_cases():
 
 def spec_ids(target, draft, prompt, n, params=SamplingParams(), generator=None, **kw) -> list[int]:
     """The token ids of speculative.generate; kw as it takes them (stop_ids, k, stats, step)."""
-    return [t.id for t in speculative.generate(target, draft, prompt, n, params, generator, **kw)]
+    tokens = speculative.generate(target, draft, prompt, max_new_tokens=n, params=params, generator=generator, **kw)
+    return [t.id for t in tokens]
 
 
 def tiny_drafts(target, mode: str = "none"):
@@ -123,7 +124,7 @@ def test_greedy_matches_plain_greedy_tiny(tiny, k):
     want = greedy_ids(tiny, prompt, 48)
     for name, draft in tiny_drafts(tiny).items():
         stats = SpecStats(k)
-        tokens = list(speculative.generate(tiny, draft, prompt, 48, k=k, stats=stats))
+        tokens = list(speculative.generate(tiny, draft, prompt, max_new_tokens=48, k=k, stats=stats))
         assert [t.id for t in tokens] == want, name
         assert [t.end for t in tokens] == [None] * 47 + ["length"], name  # the same end rule as decode.generate
         if name == "other-seed":  # a different random model: rejections happen, so rollback is exercised
@@ -151,7 +152,7 @@ def test_stop_ids_and_context_limit(tiny):
     full = greedy_ids(tiny, prompt, 40)
     stop = full[10]
     draft = ModelDraft(hf_to_ours(make_hf("llama-gqa", seed=1)), tiny)
-    tokens = list(speculative.generate(tiny, draft, prompt, 40, stop_ids=[stop]))
+    tokens = list(speculative.generate(tiny, draft, prompt, max_new_tokens=40, stop_ids=[stop]))
     assert [t.id for t in tokens] == full[: full.index(stop) + 1] and tokens[-1].end == "eos"
     long_prompt = list(range(1, 151)) + list(range(1, 101))  # 250 of a 256 context
     want = greedy_ids(tiny, long_prompt, 50)

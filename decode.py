@@ -17,7 +17,7 @@ import torch
 from grammar import Grammar, Matcher
 from kvcache import KVCache
 from model import Transformer
-from sample import SamplingParams, Token, penalty_state, sample_tokens
+from sample import SamplingParams, Token, check_logit_bias, penalty_state, sample_tokens
 from step import Step
 
 PAD_ID = 0  # feeds finished batch rows; its keys/values are never attended
@@ -30,12 +30,12 @@ def new_cache(model: Transformer, batch_size: int, max_seq_len: int, kv_dtype: s
 
 
 def end_reason(token: int, n_new: int, n_tokens: int, max_new_tokens: int, max_len: int,
-               stop_ids: Sequence[int], matcher: Matcher | None = None) -> str | None:
+               stop_ids: Sequence[int], matcher: Matcher | None = None, *, ignore_eos: bool = False) -> str | None:
     """Whether generation ends after `token`, the n_new-th generated token, making n_tokens in all: "eos" for a stop
-    id, "stop" when the sequence's grammar (matcher) is complete and only EOS could follow, "length" after
-    max_new_tokens or once the sequence fills max_len positions (the last token is never fed, so it needs no
-    position of its own), else None. The one rule of every loop (plain, batched, speculative, engine)."""
-    if token in stop_ids:
+    id (unless ignore_eos), "stop" when the sequence's grammar (matcher) is complete and only EOS could follow,
+    "length" after max_new_tokens or once the sequence fills max_len positions (the last token is never fed, so it
+    needs no position of its own), else None. The one rule of every loop (plain, batched, speculative, engine)."""
+    if token in stop_ids and not ignore_eos:
         return "eos"
     if matcher is not None and matcher.done:
         return "stop"
@@ -145,6 +145,7 @@ def generate(
         max_seq = cache.max_seq_len
         # Slots past the reused prefix are stale; each is rewritten before any query at or after it reads it.
         start = session.reusable(prompt)
+    check_logit_bias(params.logit_bias, model.args.vocab_size)
     device = model.embed_tokens.weight.device
     step = check_step(step, model)
     seen, generated = penalty_state(params, [prompt], model)
@@ -157,8 +158,10 @@ def generate(
     pos = len(prompt)  # where the next sampled token is fed
     for n_new in range(1, max_new_tokens + 1):
         token, (out,) = sample_tokens(logits, params, generator, seen, generated, logprobs,
-                                      None if matcher is None else [matcher])  # (1,)
-        out.end = end_reason(out.id, n_new, pos + 1, max_new_tokens, max_seq, stop_ids, matcher)
+                                      None if matcher is None else [matcher], n_generated=[n_new - 1],
+                                      stop_ids=stop_ids)  # (1,)
+        out.end = end_reason(out.id, n_new, pos + 1, max_new_tokens, max_seq, stop_ids, matcher,
+                             ignore_eos=params.ignore_eos)
         yield out
         if out.end:
             return
@@ -189,6 +192,7 @@ def generate_batch(
     context = model.args.max_seq_len
     for prompt in prompts:
         check_request(prompt, max_new_tokens, context)
+    check_logit_bias(params.logit_bias, model.args.vocab_size)
     device = model.embed_tokens.weight.device
     step = check_step(step, model)
     B, lengths = len(prompts), [len(p) for p in prompts]
@@ -215,10 +219,11 @@ def generate_batch(
     for n_new in range(1, max_new_tokens + 1):
         # A row that ended has no grammar left to follow: its matcher is dropped.
         live = None if matchers is None else [None if d else m for d, m in zip(done, matchers)]
-        tokens, outs = sample_tokens(logits, params, generator, seen, generated, logprobs, live)  # (B,)
+        tokens, outs = sample_tokens(logits, params, generator, seen, generated, logprobs, live,
+                                     n_generated=[n_new - 1] * B, stop_ids=stop_ids)  # (B,)
         for b, (out, p) in enumerate(zip(outs, pos.tolist())):
             out.end = None if done[b] else end_reason(out.id, n_new, p + 1, max_new_tokens, limits[b], stop_ids,
-                                                      None if live is None else live[b])
+                                                      None if live is None else live[b], ignore_eos=params.ignore_eos)
         yield [None if finished else out for finished, out in zip(done, outs)]
         done = [finished or out.end is not None for finished, out in zip(done, outs)]
         if all(done):

@@ -382,13 +382,15 @@ class Engine:
         """Draw seq's next token from (1, V) logits (as decode.generate does), stream it, maybe finish."""
         try:
             _, (token,) = sample_tokens(logits, seq.request.params, seq.generator, seq.seen, seq.generated, None,
-                                        None if seq.matcher is None else [seq.matcher])
+                                        None if seq.matcher is None else [seq.matcher],
+                                        n_generated=[len(seq.tokens) - seq.n_prompt], stop_ids=self.tokenizer.eos_ids)
         except Exception as e:  # this request fails alone
             self._fail(seq, e)
             return
         seq.tokens.append(token.id)
         token.end = end_reason(token.id, len(seq.tokens) - seq.n_prompt, len(seq.tokens), seq.request.max_tokens,
-                               self.model.args.max_seq_len, self.tokenizer.eos_ids, seq.matcher)
+                               self.model.args.max_seq_len, self.tokenizer.eos_ids, seq.matcher,
+                               ignore_eos=seq.request.params.ignore_eos)
         piece = push_token(seq.text, token)
         reason = finish_reason(token.end, seq.text)
         if reason is None:

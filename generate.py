@@ -74,7 +74,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="in [-2, 2]; subtracted from the logit of every token already generated (OpenAI)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="in [-2, 2]; times the count of each generated token, subtracted from its logit (OpenAI). "
-                   "Sampling order: penalties, temperature, top-k, top-p, min-p, draw")
+                   "Sampling order: penalties, logit bias, structured output, min-tokens, temperature, top-k, top-p, "
+                   "min-p, draw")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit (repeatable; OpenAI's logit_bias): -100 in "
+                   "effect bans the token, 100 in effect forces it")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no EOS (or other end-of-turn token) before N tokens are generated (vLLM's min_tokens; a "
+                   "structured output that is complete still ends)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="an EOS token does not end generation (it is emitted): run to --max-new-tokens")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when the text contains STR (repeatable); STR itself is not printed")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
@@ -162,10 +171,24 @@ def constraint_of(args: argparse.Namespace) -> Constraint | None:
     return None
 
 
+def logit_bias_arg(values: list[str]) -> tuple[tuple[int, float], ...]:
+    """--logit-bias ID=BIAS (repeated) as SamplingParams.logit_bias; a ValueError naming a malformed one."""
+    pairs = []
+    for value in values:
+        token, _, bias = value.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise ValueError(f"--logit-bias takes ID=BIAS (a token id and a number in [-100, 100]), got {value!r}") \
+                from None
+    return tuple(pairs)
+
+
 def check_args(args: argparse.Namespace) -> SamplingParams:
     """Every flag and flag combination, checked before anything loads; the sampling parameters they give."""
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
-                            args.presence_penalty, args.frequency_penalty)
+                            args.presence_penalty, args.frequency_penalty, logit_bias_arg(args.logit_bias),
+                            args.min_tokens, args.ignore_eos)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_stop(args.stop)

@@ -53,6 +53,8 @@ def test_end_reason():
     assert end_reason(3, 5, 10, 5, 100, stop_ids=[7]) == "length"  # max_new_tokens
     assert end_reason(3, 2, 100, 5, 100, stop_ids=()) is None  # token 100 can still be fed, at position 99
     assert end_reason(3, 2, 101, 5, 100, stop_ids=()) == "length"  # token 101 would need position 100: none left
+    assert end_reason(7, 1, 10, 5, 100, stop_ids=[7], ignore_eos=True) is None  # ignore_eos: a stop id goes on
+    assert end_reason(7, 5, 10, 5, 100, stop_ids=[7], ignore_eos=True) == "length"
 
 
 def test_bad_requests(tiny):
@@ -177,6 +179,80 @@ def test_no_logprobs_unless_asked(tiny):
     assert token.logprob is None and token.top is None
 
 
+# ---- logit bias, min_tokens, ignore_eos in the loop ----
+
+def greedy_biased_uncached(model, prompt, n, bias: dict[int, float], min_tokens: int = 0, stop_ids=()):
+    """Greedy on an uncached forward with the bias added and the stop ids at -inf for the first min_tokens tokens,
+    ending after a stop id: the rule written out."""
+    seq = list(prompt)
+    for i in range(n):
+        logits = last_logits(model, seq).clone()
+        for token, b in bias.items():
+            logits[token] += b
+        if i < min_tokens:
+            logits[list(stop_ids)] = float("-inf")
+        seq.append(logits.argmax().item())
+        if seq[-1] in stop_ids:
+            break
+    return seq[len(prompt):]
+
+
+def test_logit_bias_bans_and_forces_in_greedy(tiny):
+    plain = greedy_ids(tiny, PROMPT, 20)
+    banned = plain[0]
+    got = greedy_ids(tiny, PROMPT, 20, SamplingParams(logit_bias=((banned, -100),)))
+    assert banned not in got and got == greedy_biased_uncached(tiny, PROMPT, 20, {banned: -100})
+    assert greedy_ids(tiny, PROMPT, 20, SamplingParams(logit_bias=((7, 100),))) == [7] * 20
+    mild = {plain[3]: 1.5, 11: -0.5, 140: 2.0}
+    got = greedy_ids(tiny, PROMPT, 20, SamplingParams(logit_bias=tuple(mild.items())))
+    assert got == greedy_biased_uncached(tiny, PROMPT, 20, mild) and got != plain
+
+
+def test_logit_bias_past_the_vocabulary_is_an_error(tiny):
+    with pytest.raises(ValueError, match=r"logit_bias token 160 is outside the vocabulary \(ids 0 to 159\)"):
+        next(generate(tiny, PROMPT, max_new_tokens=4, params=SamplingParams(logit_bias=((160, 1.0),))))
+    with pytest.raises(ValueError, match="logit_bias token 999 is outside the vocabulary"):
+        next(generate_batch(tiny, [PROMPT], max_new_tokens=4, params=SamplingParams(logit_bias=((999, 1.0),))))
+
+
+def test_min_tokens_delays_the_stop_ids(tiny):
+    """A bias toward the stop id makes greedy emit it at once; min_tokens holds it back for that many tokens,
+    then it comes (the bias still pulls), and generation ends there."""
+    stop = 9
+    eager = SamplingParams(logit_bias=((stop, 100),))
+    assert greedy_ids(tiny, PROMPT, 20, eager, stop_ids=[stop, 3]) == [stop]
+    held = SamplingParams(logit_bias=((stop, 100),), min_tokens=6)
+    tokens = list(generate(tiny, PROMPT, max_new_tokens=20, params=held, stop_ids=[stop, 3], logprobs=2))
+    assert [t.id for t in tokens] == greedy_biased_uncached(tiny, PROMPT, 20, {stop: 100}, 6, [stop, 3])
+    assert len(tokens) == 7 and tokens[-1].id == stop and tokens[-1].end == "eos"
+    assert not {t.id for t in tokens[:6]} & {stop, 3}  # every stop id held, not only the biased one
+    assert all(stop not in {i for i, _ in t.top} for t in tokens[:6])  # and not reported as an alternative
+    # max_new_tokens below min_tokens: it is simply length
+    assert [t.end for t in generate(tiny, PROMPT, max_new_tokens=4, params=held, stop_ids=[stop])][-1] == "length"
+
+
+def test_ignore_eos_runs_to_max_tokens(tiny):
+    stop = 9
+    params = SamplingParams(logit_bias=((stop, 100),), ignore_eos=True)
+    tokens = list(generate(tiny, PROMPT, max_new_tokens=8, params=params, stop_ids=[stop]))
+    assert [t.id for t in tokens] == [stop] * 8 and [t.end for t in tokens] == [None] * 7 + ["length"]
+    plain = greedy_ids(tiny, PROMPT, 12)
+    assert greedy_ids(tiny, PROMPT, 12, SamplingParams(ignore_eos=True), stop_ids=[plain[2]]) == plain
+
+
+def test_defaults_are_bitwise_unchanged(tiny):
+    """Sampled with logprobs, the new parameters at their defaults change nothing: the same tokens and the very
+    same log-probabilities as with none of them given."""
+    params = SamplingParams(temperature=0.9, top_k=40, repetition_penalty=1.2)
+    ref = list(generate(tiny, PROMPT, max_new_tokens=16, params=params, generator=torch.Generator().manual_seed(3),
+                        stop_ids=[4], logprobs=3))
+    same = SamplingParams(temperature=0.9, top_k=40, repetition_penalty=1.2, logit_bias=(), min_tokens=0,
+                          ignore_eos=False)
+    got = list(generate(tiny, PROMPT, max_new_tokens=16, params=same, generator=torch.Generator().manual_seed(3),
+                        stop_ids=[4], logprobs=3))
+    assert [(t.id, t.logprob, t.top, t.end) for t in got] == [(t.id, t.logprob, t.top, t.end) for t in ref]
+
+
 # ---- batched prompts vs one at a time ----
 
 def rows_of(batch_rows) -> list[list]:
@@ -212,6 +288,16 @@ def test_batched_penalties_and_logprobs_match_one_at_a_time(tiny):
     for got, ref in zip(rows, alone):
         assert [s.id for s in got] == [s.id for s in ref]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(got, ref)) <= 1e-5
+
+
+def test_batched_bias_min_tokens_ignore_eos_match_one_at_a_time(tiny):
+    prompts = [[5, 5, 6], [9, 8, 7, 6, 5, 4, 3, 2, 1, 5, 5], [42] * 6]
+    for params in (SamplingParams(logit_bias=((9, 12.0), (3, -100)), min_tokens=4),
+                   SamplingParams(logit_bias=((9, 100),), ignore_eos=True)):
+        alone = [[t.id for t in generate(tiny, p, max_new_tokens=10, params=params, stop_ids=[9])] for p in prompts]
+        rows = rows_of(generate_batch(tiny, prompts, max_new_tokens=10, params=params, stop_ids=[9]))
+        assert [[t.id for t in r] for r in rows] == alone
+        assert all(9 in r for r in alone)  # the bias made the stop id come, min_tokens or not
 
 
 def test_batch_rejects_no_prompts(tiny):

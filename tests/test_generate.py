@@ -39,6 +39,13 @@ def error_of(cli_error, argv: list[str]) -> str:
     (["--prompt", "hi", "--min-p", "2"], "min_p must be in [0, 1]"),
     (["--prompt", "hi", "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
     (["--prompt", "hi", "--frequency-penalty", "5"], "frequency_penalty must be in [-2, 2]"),
+    (["--prompt", "hi", "--logit-bias", "5"], "--logit-bias takes ID=BIAS (a token id and a number in [-100, 100]), "
+     "got '5'"),
+    (["--prompt", "hi", "--logit-bias", "x=1"], "--logit-bias takes ID=BIAS"),
+    (["--prompt", "hi", "--logit-bias", "5=200"], "logit_bias of token 5 must be a number in [-100, 100], got 200.0"),
+    (["--prompt", "hi", "--logit-bias=-3=1"], "logit_bias token ids must be integers >= 0, got -3"),
+    (["--prompt", "hi", "--logit-bias", "5=1", "--logit-bias", "5=-1"], "logit_bias gives token 5 twice"),
+    (["--prompt", "hi", "--min-tokens", "-1"], "min_tokens must be an integer >= 0"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--prompt", "hi", "--stop", ""], "stop strings must be non-empty, got ''"),
     (["--prompt", "hi", *["--stop", "x"] * 65], "stop takes at most 64 strings, got 65"),
@@ -95,6 +102,10 @@ def test_check_args_returns_the_sampling_parameters():
                                 "--min-p", "0.1", "--repetition-penalty", "1.1", "--presence-penalty", "0.2",
                                 "--frequency-penalty", "0.3"])
     assert generate.check_args(args) == SamplingParams(0.5, 7, 0.9, 0.1, 1.1, 0.2, 0.3)
+    args = generate.parse_args(["--prompt", "hi", "--temperature", "0", "--logit-bias", "12=-100", "--logit-bias",
+                                "3=2.5", "--min-tokens", "4", "--ignore-eos"])
+    assert generate.check_args(args) == SamplingParams(logit_bias=((3, 2.5), (12, -100.0)), min_tokens=4,
+                                                       ignore_eos=True)
     # one decode-step policy for every path: --compile goes with speculative decoding too
     for draft in (["--prompt-lookup"], ["--draft-quantize", "int4:32"], ["--draft-model", "m"]):
         args = generate.parse_args(["--prompt", "hi", "--compile-prefill", "--temperature", "0", *draft])
@@ -429,6 +440,22 @@ def test_a_failed_compile_is_reported_as_eager(capsys, monkeypatch, tiny_text_di
     assert generate.main(["--model", tiny_text_dir, "--prompt", "hi", "--max-new-tokens", "4", "--compile", "none",
                           "--dtype", "float32"]) == 0
     assert "| eager |" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_logit_bias_min_tokens_and_ignore_eos_flags(capsys, cli_error, tiny_text_dir):
+    """On the tiny folder (EOS is '</s>', id 2): a bias of 100 toward EOS ends at once, --min-tokens holds it
+    back, --ignore-eos runs to --max-new-tokens; a token id past the model's 160 is one error line."""
+    run = ["--model", tiny_text_dir, "--prompt", "hi", "--temperature", "0", "--compile", "none", "--dtype",
+           "float32", "--max-new-tokens", "8", "--json", "--quiet", "--logit-bias", "2=100"]
+    outs = []
+    for flags in ([], ["--min-tokens", "5"], ["--ignore-eos"]):
+        assert generate.main([*run, *flags]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert [(o["tokens"], o["finish_reason"]) for o in outs] == [([2], "eos"), (outs[1]["tokens"], "eos"),
+                                                                  ([2] * 8, "length")]
+    assert len(outs[1]["tokens"]) == 6 and outs[1]["tokens"][5] == 2 and 2 not in outs[1]["tokens"][:5]
+    assert error_of(cli_error, [*run, "--logit-bias", "160=1"]) == ("error: logit_bias token 160 is outside the "
+                                                                    "vocabulary (ids 0 to 159)")
 
 
 def test_compile_flag_modes():

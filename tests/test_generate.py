@@ -58,8 +58,14 @@ def error_of(cli_error, argv: list[str]) -> str:
     (["--prompt", "hi", "--system", "terse"], "--system needs --chat"),
     (["--interactive"], "--interactive needs --chat"),
     (["--interactive", "--chat", "--prompts-file", "p.txt"], "--interactive reads turns from stdin"),
-    (["--prompts-file", "nope.txt", "--prompt", "hi"], "either --prompt or --prompts-file, not both"),
-    ([], "no prompt: pass --prompt TEXT, --prompts-file F, or --interactive with --chat"),
+    (["--prompts-file", "nope.txt", "--prompt", "hi"],
+     "pass one of --prompt, --prompt-file, --prompts-file; got --prompt and --prompts-file"),
+    (["-p", "hi", "-f", "p.txt"], "pass one of --prompt, --prompt-file, --prompts-file; got --prompt and "
+     "--prompt-file"),
+    ([], "no prompt: pass --prompt TEXT, --prompt-file F, --prompts-file F, or --interactive with --chat, or pipe the "
+     "prompt to stdin"),
+    (["--prompt", "-", "--interactive", "--chat"], "--prompt - reads the prompt from stdin, where --interactive reads"),
+    (["-f", "nope.txt"], "prompt file 'nope.txt' does not exist"),
     (["--prompt", "hi", "--quantize", "int3"], "unknown quantization mode 'int3'"),
     (["--prompt", "hi", "--quantize", "int4:48"], "group size '48'"),
     (["--prompt", "hi", "--draft-quantize", "fp8"], "unknown quantization mode 'fp8'"),
@@ -85,8 +91,16 @@ def error_of(cli_error, argv: list[str]) -> str:
     (["--prompt", "hi", "--json-object", "--draft-quantize", "int4"],
      "structured output (--json-schema, --json-object, --regex, --grammar) is not supported with speculative"),
 ])
-def test_bad_flags_are_one_line_errors(cli_error, argv, fragment):
+def test_bad_flags_are_one_line_errors(cli_error, monkeypatch, argv, fragment):
+    monkeypatch.setattr("sys.stdin", Terminal())  # as a user types the command: stdin is the terminal
     assert fragment in error_of(cli_error, argv)
+
+
+class Terminal(io.StringIO):
+    """stdin as a terminal: nothing piped."""
+
+    def isatty(self) -> bool:
+        return True
 
 
 def test_tensor_parallel_flag_combinations(cli_error, monkeypatch):
@@ -456,6 +470,57 @@ def test_logit_bias_min_tokens_and_ignore_eos_flags(capsys, cli_error, tiny_text
     assert len(outs[1]["tokens"]) == 6 and outs[1]["tokens"][5] == 2 and 2 not in outs[1]["tokens"][:5]
     assert error_of(cli_error, [*run, "--logit-bias", "160=1"]) == ("error: logit_bias token 160 is outside the "
                                                                     "vocabulary (ids 0 to 159)")
+
+
+# ---- the habits of llama-cli and transformers users: short flags, prompt files and stdin, threads, context ----
+
+def tiny_run(tiny_text_dir, *flags: str) -> list[str]:
+    """generate.py's flags for a short greedy run on the tiny folder, one JSON object out."""
+    return ["--model", tiny_text_dir, "--temperature", "0", "--compile", "none", "--dtype", "float32", "--json",
+            "--quiet", *flags]
+
+
+def json_run(capsys, argv: list[str]) -> dict:
+    capsys.readouterr()
+    assert generate.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    del out["timings"]
+    return out
+
+
+def test_short_flags():
+    args = generate.parse_args(["-m", "M", "-p", "hi", "-n", "5"])
+    assert (args.model, args.prompt, args.max_new_tokens) == ("M", "hi", 5)
+    assert generate.parse_args(["-f", "p.txt"]).prompt_file == "p.txt"
+
+
+def test_prompt_from_a_file_or_stdin(capsys, cli_error, monkeypatch, tmp_path, tiny_text_dir):
+    """-f FILE, --prompt - and text piped with no prompt are each --prompt TEXT (one trailing newline dropped)."""
+    run = tiny_run(tiny_text_dir, "-n", "6")
+    want = json_run(capsys, [*run, "-p", "hello\nworld"])
+    assert want["prompt_tokens"] == 11
+    for name, text in (("unix.txt", "hello\nworld\n"), ("plain.txt", "hello\nworld")):
+        (tmp_path / name).write_text(text)
+        assert json_run(capsys, [*run, "-f", str(tmp_path / name)]) == want
+    (tmp_path / "dos.txt").write_bytes(b"hello\r\nworld\r\n")
+    assert json_run(capsys, [*run, "--prompt-file", str(tmp_path / "dos.txt")]) == want  # universal newlines
+    for flags in (["--prompt", "-"], []):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hello\nworld\n"))
+        assert json_run(capsys, [*run, *flags]) == want
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert "no prompt: stdin is empty" in error_of(cli_error, run)
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    assert "prompt file" in error_of(cli_error, [*run, "-f", str(tmp_path / "latin1.txt")])
+    monkeypatch.setattr("sys.stdin", io.StringIO("caf\udce9"))  # a bad byte, as the POSIX locale reads it
+    assert "stdin is not valid UTF-8 text" in error_of(cli_error, [*run, "-p", "-"])
+
+
+@pytest.mark.slow
+def test_piped_stdin_is_the_prompt(tiny_text_dir):
+    """`echo hello | generate.py`: a real pipe (not a terminal) is read when no prompt is given."""
+    result = run_py("generate.py", *tiny_run(tiny_text_dir, "-n", "3"), input="hello\n")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["prompt_tokens"] == 5
 
 
 def test_compile_flag_modes():

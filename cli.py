@@ -1,6 +1,6 @@
 """What the command-line entry points share (generate.py, serve.py, bench.py, export.py, quality.py, loadtest.py):
-the default model, device and dtype choice, input checks, text from a file or stdin, and one `error:` line instead
-of a traceback."""
+the default model, device and dtype choice, input checks, text from a file or stdin, --threads and --version, and
+one `error:` line instead of a traceback."""
 import importlib.util
 import os
 import sys
@@ -10,6 +10,8 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FALLBACK_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+VERSION = "0.1.0"  # the runtime's version, as --version prints it
+THREADS_HELP = "CPU threads torch computes with (torch.set_num_threads; default: torch's, one per core)"
 
 
 def default_model() -> str:
@@ -75,6 +77,20 @@ def check_text(flag: str, text: str | None) -> None:
 def check_seed(seed: int | None) -> None:
     if seed is not None and not -2**63 <= seed < 2**64:
         raise ValueError(f"--seed must be in [-2**63, 2**64), got {seed}")
+
+
+def version_line() -> str:
+    """What --version prints: this runtime's version and the torch it runs on."""
+    return f"tinyllm {VERSION} (torch {torch.__version__})"
+
+
+def set_threads(n: int | None) -> None:
+    """--threads: the CPU threads torch computes with; None leaves torch's default."""
+    if n is None:
+        return
+    if n < 1:
+        raise ValueError(f"--threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
 
 
 def read_text_file(path: str, what: str) -> str:

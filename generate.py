@@ -34,8 +34,8 @@ from collections.abc import Callable
 import torch
 
 import tp
-from cli import (DTYPES, FALLBACK_MODEL, check_seed, check_text, default_model, pick_device, pick_dtype, read_stdin,
-                 read_text_file, run_cli, stdin_piped)
+from cli import (DTYPES, FALLBACK_MODEL, THREADS_HELP, check_seed, check_text, default_model, pick_device,
+                 pick_dtype, read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line)
 from decode import Session, fit_new_tokens, generate, generate_batch
 from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
 from load import load_model, resolve_model_path
@@ -144,7 +144,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "context's last 3/2/1 tokens (no draft model)")
     p.add_argument("--speculate-k", type=int, default=4, metavar="K",
                    help="with a draft: tokens drafted per target forward (default 4, >= 1)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bars and no summary line")
+    p.add_argument("--version", action="version", version=version_line())
     return p.parse_args(argv)
 
 
@@ -254,6 +256,7 @@ def make_draft(args: argparse.Namespace, model: Transformer, path: str, device: 
 
 def run(args: argparse.Namespace) -> None:
     params = check_args(args)
+    set_threads(args.threads)
     texts = read_prompts(args)
     first_turn = one_prompt(args) if args.interactive else None
     device = pick_device(args.device)

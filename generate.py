@@ -28,6 +28,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, interrupted)
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 
@@ -38,7 +39,7 @@ from cli import (DTYPES, FALLBACK_MODEL, THREADS_HELP, check_seed, check_text, d
                  pick_dtype, read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line)
 from decode import Session, check_request, fit_new_tokens, generate, generate_batch
 from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
-from load import load_model, resolve_model_path
+from load import generation_defaults, load_model, resolve_model_path
 from model import Transformer
 from quantize import describe, parse_mode, quantization_of, weight_bytes
 from sample import SamplingParams
@@ -49,6 +50,9 @@ from text import Completion, check_stop, complete, complete_batch, completion_js
 from tokenizer import load_tokenizer
 
 DEFAULT_NEW_TOKENS = 200  # --max-new-tokens when not given (fewer when the prompt leaves less of the context)
+# The sampling flags a checkpoint's generation_config.json may give defaults for (load.GENERATION_SAMPLING), and
+# their defaults without one.
+SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
 MAX_LOGPROBS = 20  # --logprobs at most, as OpenAI's top_logprobs: each alternative is decoded and printed per token
 
 
@@ -69,12 +73,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ctx-size", type=int, default=None, metavar="N",
                    help="the context is N tokens (prompt and output), at most the model's: the KV cache holds no "
                    "more (default: the model's context)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"0 means greedy (default {SAMPLING_DEFAULTS['temperature']}; a Hugging Face folder's "
+                   "generation_config.json sets the defaults of --temperature, --top-k, --top-p and "
+                   "--repetition-penalty, and the summary line says so)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens; 0 disables (default)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]; 1 disables (default)")
     p.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens less likely than min-p times the most likely one, in [0, 1]; 0 disables")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
+    p.add_argument("--repetition-penalty", type=float, default=None,
                    help="> 0; divides positive (multiplies negative) logits of tokens seen in the prompt or "
                    "output (HF/CTRL); 1 disables")
     p.add_argument("--presence-penalty", type=float, default=0.0,
@@ -195,9 +202,10 @@ def logit_bias_arg(values: list[str]) -> tuple[tuple[int, float], ...]:
 
 def check_args(args: argparse.Namespace) -> SamplingParams:
     """Every flag and flag combination, checked before anything loads; the sampling parameters they give."""
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
-                            args.presence_penalty, args.frequency_penalty, logit_bias_arg(args.logit_bias),
-                            args.min_tokens, args.ignore_eos)
+    given = {name: getattr(args, name) for name in SAMPLING_DEFAULTS if getattr(args, name) is not None}
+    params = SamplingParams(**SAMPLING_DEFAULTS | given, min_p=args.min_p, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, logit_bias=logit_bias_arg(args.logit_bias),
+                            min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_stop(args.stop)
@@ -259,6 +267,21 @@ def make_draft(args: argparse.Namespace, model: Transformer, path: str, device: 
     return ModelDraft(draft.eval(), model, Step(draft, args.compile, args.compile_prefill))  # run as the target is
 
 
+def checkpoint_sampling(args: argparse.Namespace, params: SamplingParams,
+                        path: str) -> tuple[SamplingParams, dict[str, float | int]]:
+    """params with the defaults of the checkpoint's generation_config.json (a Hugging Face folder's) for the sampling
+    flags not given, and those defaults; the flags given always win."""
+    defaults = {k: v for k, v in generation_defaults(path).items() if getattr(args, k) is None}
+    try:
+        params = dataclasses.replace(params, **defaults)
+    except ValueError as e:
+        raise ValueError(f"the model's generation_config.json: {e}") from None
+    if speculating(args) and params.penalized:
+        raise ValueError(f"the model's generation_config.json sets repetition_penalty {params.repetition_penalty}, "
+                         "which is not supported with speculative decoding; pass --repetition-penalty 1")
+    return params, defaults
+
+
 def context_of(args: argparse.Namespace, model: Transformer) -> tuple[int, str]:
     """The tokens a sequence may fill (prompt and output; the KV cache holds no more) and how errors name it: the
     model's context, or --ctx-size below it."""
@@ -286,6 +309,7 @@ def run(args: argparse.Namespace) -> None:
     # The tokenizer and the prompts first: a broken tokenizer file or chat template fails in a moment, not after
     # the weights have loaded.
     path = resolve_model_path(args.model or default_model())
+    params, from_config = checkpoint_sampling(args, params, path)
     tokenizer = load_tokenizer(path)
     if args.chat and tokenizer.chat_template is None:
         raise ValueError(f"--chat needs a chat template, and the tokenizer of {path!r} has none")
@@ -312,6 +336,8 @@ def run(args: argparse.Namespace) -> None:
     setup += quantization_summary(model, args.kv_cache_dtype)
     if args.ctx_size is not None:
         setup += f" | context {context}"
+    if from_config:
+        setup += f" | sampling: generation_config.json ({', '.join(f'{k} {v}' for k, v in from_config.items())})"
     constraint = constraint_of(args)
     grammar = None if constraint is None else Compiler(tokenizer, model.args.vocab_size).compile(constraint)
     if grammar is not None:

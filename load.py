@@ -376,6 +376,24 @@ def read_json(path: str) -> dict:
     return value
 
 
+GENERATION_SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty")  # what generation_config.json may set
+
+
+def generation_defaults(path: str) -> dict[str, float | int]:
+    """The sampling defaults a Hugging Face folder's generation_config.json sets (those of GENERATION_SAMPLING it
+    has, as vLLM reads them: do_sample is not consulted); {} for a GGUF file (it has none) or a folder without one.
+    A value that is no number (top_k: no integer) is a ValueError naming the file."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    config = read_json(file)
+    found = {k: config[k] for k in GENERATION_SAMPLING if config.get(k) is not None}
+    for k, v in found.items():
+        if isinstance(v, bool) or not isinstance(v, int if k == "top_k" else (int, float)):
+            raise ValueError(f"{file}: {k} must be {'an integer' if k == 'top_k' else 'a number'}, got {v!r}")
+    return found
+
+
 def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool = False,
                    quantize: str | None = None, quantize_head: bool = False, shard=None) -> Transformer:
     """A Hugging Face folder: config.json plus model.safetensors or a sharded index;

@@ -569,6 +569,49 @@ def test_ctx_size_caps_the_context(capsys, cli_error, monkeypatch, tiny_text_dir
     assert sizes == [12]
 
 
+@pytest.fixture()
+def configured_folder(tiny_text_dir, tmp_path):
+    """configured_folder(config) -> a copy of the tiny folder whose generation_config.json holds config."""
+    def make(config: dict) -> str:
+        folder = tmp_path / "configured"
+        if not folder.exists():
+            shutil.copytree(tiny_text_dir, folder)
+        (folder / "generation_config.json").write_text(json.dumps(config))
+        return str(folder)
+    return make
+
+
+def test_generation_config_sets_the_sampling_defaults(capsys, cli_error, configured_folder, smollm2_gguf):
+    """A Hugging Face folder's generation_config.json gives the defaults of the sampling flags not given; the flags
+    given win, and the summary line says what came from the file. A GGUF has none."""
+    from load import GENERATION_SAMPLING
+
+    assert set(generate.SAMPLING_DEFAULTS) == set(GENERATION_SAMPLING)
+    folder = configured_folder({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": 2})
+    args = generate.parse_args(["-p", "hi"])
+    params, found = generate.checkpoint_sampling(args, generate.check_args(args), folder)
+    assert params == SamplingParams(temperature=0.6, top_p=0.9) and found == {"temperature": 0.6, "top_p": 0.9}
+    args = generate.parse_args(["-p", "hi", "--temperature", "0", "--top-k", "5"])
+    params, found = generate.checkpoint_sampling(args, generate.check_args(args), folder)
+    assert params == SamplingParams(temperature=0, top_k=5, top_p=0.9) and found == {"top_p": 0.9}
+    args = generate.parse_args(["-p", "hi"])
+    assert generate.checkpoint_sampling(args, generate.check_args(args), smollm2_gguf) == (
+        SamplingParams(temperature=0.8), {})
+    assert generate.main(["-m", folder, "-p", "hi", "-n", "3", "--compile", "none", "--dtype", "float32"]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert summary.endswith(" | sampling: generation_config.json (temperature 0.6, top_p 0.9)"), summary
+    assert generate.main(["-m", folder, "-p", "hi", "-n", "3", "--compile", "none", "--temperature", "0",
+                          "--top-p", "1"]) == 0
+    assert "generation_config" not in capsys.readouterr().err  # every value it has was given
+    for config, fragment in [({"top_p": 1.5}, "the model's generation_config.json: top_p must be in (0, 1]"),
+                             ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+                             ({"top_k": 2.5}, "top_k must be an integer, got 2.5"),
+                             ({"repetition_penalty": 1.1}, "generation_config.json sets repetition_penalty 1.1, "
+                              "which is not supported with speculative decoding; pass --repetition-penalty 1")]:
+        err = error_of(cli_error, ["-m", configured_folder(config), "-p", "hi", "--prompt-lookup"])
+        assert fragment in err, err
+
+
 def test_compile_flag_modes():
     """--compile: auto by default, full when given alone (as it meant before it took a mode), or a named mode."""
     parse = lambda *flags: generate.parse_args(["--prompt", "hi", *flags]).compile  # noqa: E731

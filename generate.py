@@ -48,6 +48,7 @@ from speculative import ModelDraft, PromptLookupDraft, SpecStats
 from step import COMPILE_HELP, COMPILE_MODES, Step
 from text import Completion, check_stop, complete, complete_batch, completion_json
 from tokenizer import load_tokenizer
+from tools import CHOICES, ToolRequest, finish_reason, message as tool_message, tool_request
 
 DEFAULT_NEW_TOKENS = 200  # --max-new-tokens when not given (fewer when the prompt leaves less of the context)
 # The sampling flags a checkpoint's generation_config.json may give defaults for (load.GENERATION_SAMPLING), and
@@ -122,6 +123,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "whole (Rust regex syntax)")
     p.add_argument("--grammar", default=None, metavar="FILE", help="structured output: the text follows the grammar "
                    "in FILE (Lark with a `start` rule, or llama.cpp's GBNF with a `root` rule)")
+    p.add_argument("--tools", default=None, metavar="FILE",
+                   help="with --chat: tool calling; FILE is a JSON list of OpenAI tool definitions. The reply's text "
+                   "streams to stdout, then its calls as one JSON line {\"tool_calls\": [...]} (README, Tool calling)")
+    p.add_argument("--tool-choice", default=None, metavar="CHOICE",
+                   help="with --tools: auto (default: text or calls), none (text only), required (calls only) or a "
+                   "function's name (one call of it); required and named calls are valid under the schemas")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="with --tools: the model's call syntax (default: read from the chat template; Hermes "
+                   "for a template that shows none)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: nondeterministic)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -220,6 +230,7 @@ def check_args(args: argparse.Namespace) -> SamplingParams:
     constraint = constraint_of(args)
     if constraint is not None:
         check_constraint(constraint)
+    check_tool_flags(args, constraint)
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat (the system message is rendered with the chat template)")
     if args.interactive and not args.chat:
@@ -247,7 +258,7 @@ def check_args(args: argparse.Namespace) -> SamplingParams:
             raise ValueError("--prompt-lookup is a draft of its own; it cannot take --draft-model/--draft-quantize")
         for flag, used in (("penalties", params.penalized), ("--logprobs", args.logprobs is not None),
                            ("structured output (--json-schema, --json-object, --regex, --grammar)",
-                            constraint is not None),
+                            constraint is not None), ("--tools", args.tools),
                            ("--prompts-file", args.prompts_file), ("--interactive", args.interactive),
                            ("--kv-cache-dtype int8", args.kv_cache_dtype != "model"),
                            ("tensor parallel (torchrun)", tp.launched())):
@@ -315,7 +326,8 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--chat needs a chat template, and the tokenizer of {path!r} has none")
     system = [{"role": "system", "content": args.system}] if args.system else []
     special = args.prompt_special_tokens == "tokens"
-    prompts = [chat_tokens(tokenizer, system + [{"role": "user", "content": t}]) if args.chat else
+    tools = tools_of(args, tokenizer)  # None without --tools
+    prompts = [chat_tokens(tokenizer, system + [{"role": "user", "content": t}], tools) if args.chat else
                tokenizer.encode(t, special=special) for t in texts]  # none with --interactive: chat() renders each turn
     # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
     model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
@@ -338,17 +350,18 @@ def run(args: argparse.Namespace) -> None:
         setup += f" | context {context}"
     if from_config:
         setup += f" | sampling: generation_config.json ({', '.join(f'{k} {v}' for k, v in from_config.items())})"
-    constraint = constraint_of(args)
+    constraint = constraint_of(args) or (tools.constraint if tools is not None else None)
     grammar = None if constraint is None else Compiler(tokenizer, model.args.vocab_size).compile(constraint)
     if grammar is not None:
-        setup += f" | {constraint.kind.replace('_', ' ')}"
+        setup += f" | {constraint.kind.replace('_', ' ')}" if tools is None else \
+            f" | tools {tools.mode} ({tools.format.name})"
 
     def setup_line() -> str:
         """Read when the summary is printed: the step's mode is then what ran (eager after a failed compile)."""
         return f"{where} | {step_label(step, args)}{setup}"
 
     if args.interactive:
-        chat(args, model, tokenizer, params, generator, step, setup_line, system, first_turn, grammar)
+        chat(args, model, tokenizer, params, generator, step, setup_line, system, first_turn, grammar, tools)
     elif args.prompts_file:
         n_new = new_tokens(args.max_new_tokens, max(map(len, prompts)), context, what)
         rows = generate_batch(model, prompts, max_new_tokens=n_new, params=params, generator=generator,
@@ -370,7 +383,6 @@ def run(args: argparse.Namespace) -> None:
                   f"generated tokens {n_new} | TTFT {first.ttft_s * 1000:.0f} ms | decode {decode_tps:.1f} tokens/s "
                   f"(all rows) | {setup_line()}", file=sys.stderr)
     else:
-        on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
         prompt, stats = prompts[0], None
         n_new = new_tokens(args.max_new_tokens, len(prompt), context, what)
         if speculating(args):  # the same tokens and distribution, up to --speculate-k tokens per target forward
@@ -383,8 +395,7 @@ def run(args: argparse.Namespace) -> None:
             tokens = generate(model, prompt, max_new_tokens=n_new, params=params, generator=generator,
                               stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs,
                               kv_dtype=args.kv_cache_dtype, grammar=grammar)
-        c = complete(tokens, tokenizer, len(prompt), stop=args.stop, on_text=on_text)
-        print(json.dumps(completion_json(c, tokenizer), ensure_ascii=False) if args.json else "", flush=True)
+        c, _, _ = reply(args, tokens, tokenizer, len(prompt), None, tools)
         if not args.json:
             print_logprobs(c, tokenizer, args.logprobs)
         if not args.quiet:
@@ -393,13 +404,15 @@ def run(args: argparse.Namespace) -> None:
                 print(stats.report(), file=sys.stderr)
 
 
-def chat_tokens(tokenizer, messages: list[dict]) -> list[int]:
-    """The prompt tokens of messages rendered with the chat template (which has BOS); a template that fails on
-    them (a syntax error, or raise_exception, e.g. for a system message it does not take) is a ValueError."""
+def chat_tokens(tokenizer, messages: list[dict], tools: ToolRequest | None = None) -> list[int]:
+    """The prompt tokens of messages rendered with the chat template (which has BOS), with --tools' definitions;
+    a template that fails on them (a syntax error, or raise_exception, e.g. for a system message it does not
+    take) is a ValueError."""
     import jinja2
 
+    messages, definitions = (messages, None) if tools is None else tools.render(messages)
     try:
-        return tokenizer.encode_chat(messages)  # contents as text, the template's markers special
+        return tokenizer.encode_chat(messages, tools=definitions)  # contents as text, the template's markers special
     except jinja2.TemplateError as e:
         raise ValueError(f"the model's chat template failed on the messages: {e}") from None
 
@@ -481,9 +494,11 @@ def print_logprobs(c: Completion, tokenizer, n: int | None) -> None:
 
 def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: SamplingParams,
          generator: torch.Generator, step: Step, setup_line: Callable[[], str], messages: list[dict],
-         turn: str | None = None, grammar: Grammar | None = None) -> None:
+         turn: str | None = None, grammar: Grammar | None = None, tools: ToolRequest | None = None) -> None:
     """The --interactive REPL: user turns from stdin (after `turn`, the first, if given), replies streamed to
-    stdout; one Session (KV cache) for all. With a grammar, every reply follows it (a new matcher per turn)."""
+    stdout; one Session (KV cache) for all. With a grammar, every reply follows it (a new matcher per turn). With
+    --tools, `/tool ID RESULT` answers the call ID; the model replies once every call of its last reply has its
+    result."""
     context, what = context_of(args, model)
     session = Session(model, context, kv_dtype=args.kv_cache_dtype)
     for n in range(1, sys.maxsize):
@@ -494,22 +509,111 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
             turn = line.rstrip("\r\n")
             if not line or turn.strip() in ("", "/exit"):
                 return
-        messages.append({"role": "user", "content": turn})
-        prompt = chat_tokens(tokenizer, messages)
-        on_text = None if args.json else (lambda piece: print(piece, end="", flush=True))
+        if tools is not None and turn.startswith("/tool"):
+            try:
+                waiting = tool_result(messages, turn)
+            except ValueError as e:  # a typo in a session is no reason to end it
+                print(f"error: {e}", file=sys.stderr)
+                waiting = True
+            if waiting:
+                turn = None
+                continue
+        else:
+            messages.append({"role": "user", "content": turn})
+        prompt = chat_tokens(tokenizer, messages, tools)
         prefilled = len(prompt) - session.reusable(prompt)
         n_new = new_tokens(args.max_new_tokens, len(prompt), context, what)
         tokens = generate(model, prompt, max_new_tokens=n_new, params=params, generator=generator,
                           stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs, session=session,
                           grammar=grammar)
-        c = complete(tokens, tokenizer, len(prompt), prefilled, stop=args.stop, on_text=on_text)
-        print(json.dumps(completion_json(c, tokenizer), ensure_ascii=False) if args.json else "", flush=True)
+        c, content, calls = reply(args, tokens, tokenizer, len(prompt), prefilled, tools)
         if not args.json:
             print_logprobs(c, tokenizer, args.logprobs)
         if not args.quiet:
             print(f"turn {n} | {summary(c, step.mode != 'none' and n == 1)} | {setup_line()}", file=sys.stderr)
-        messages.append({"role": "assistant", "content": c.text})
+        messages.append({"role": "assistant", "content": c.text} if tools is None else tool_message(content, calls))
         turn = None
+
+
+def check_tool_flags(args: argparse.Namespace, constraint: Constraint | None) -> None:
+    """--tools' combinations: it needs --chat and one conversation, and is a constraint of its own."""
+    if args.tools is None:
+        for flag, value in (("--tool-choice", args.tool_choice), ("--tool-call-parser", args.tool_call_parser)):
+            if value is not None:
+                raise ValueError(f"{flag} needs --tools")
+        return
+    if not args.chat:
+        raise ValueError("--tools needs --chat (the tools are rendered with the chat template)")
+    if args.prompts_file:
+        raise ValueError("--tools takes one conversation (--prompt or --interactive), not --prompts-file")
+    if constraint is not None:
+        raise ValueError("--tools constrains the calls itself; it cannot take --json-schema, --json-object, --regex "
+                         "or --grammar")
+
+
+def tools_of(args: argparse.Namespace, tokenizer) -> ToolRequest | None:
+    """--tools FILE with --tool-choice and --tool-call-parser, checked against the model's chat template (before
+    the weights load); None without --tools."""
+    if args.tools is None:
+        return None
+    if not os.path.isfile(args.tools):
+        raise FileNotFoundError(f"tools file {args.tools!r} does not exist")
+    try:
+        with open(args.tools, encoding="utf-8") as f:
+            definitions = json.load(f)
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise ValueError(f"cannot read tools file {args.tools!r}: {e}") from None
+    choice = args.tool_choice
+    if choice is not None and choice not in CHOICES:
+        choice = {"type": "function", "function": {"name": choice}}
+    try:
+        return tool_request(definitions, choice, None, tokenizer, args.tool_call_parser)
+    except ValueError as e:
+        raise ValueError(f"--tools {args.tools}: {e}") from None
+
+
+def reply(args: argparse.Namespace, tokens, tokenizer, prompt_tokens: int, prefilled: int | None,
+          tools: ToolRequest | None) -> tuple[Completion, str, list[dict]]:
+    """Run a reply to its end, printing it: the text streamed to stdout (with --tools, the content; then the calls
+    as one JSON line {"tool_calls": [...]}), or with --json one object at the end (with --tools, its content,
+    tool_calls and finish_reason "tool_calls"). Returns (the completion, its content, its calls)."""
+    parser = None if tools is None or args.json else tools.parser()
+
+    def on_text(piece: str) -> None:
+        text = piece if parser is None else "".join(d.get("content", "") for d in parser.feed(piece))
+        print(text, end="", flush=True)
+
+    c = complete(tokens, tokenizer, prompt_tokens, prefilled, stop=args.stop, on_text=None if args.json else on_text)
+    if parser is not None:
+        print("".join(d.get("content", "") for d in parser.finish()), end="")
+        content, calls = parser.content, parser.calls
+    elif tools is not None:
+        content, calls = tools.parse(c.text)
+    else:
+        content, calls = c.text, []
+    if args.json:
+        out = completion_json(c, tokenizer)
+        if tools is not None:
+            out.update(content=content, tool_calls=calls, finish_reason=finish_reason(c.finish_reason, calls))
+        print(json.dumps(out, ensure_ascii=False), flush=True)
+    else:
+        print("" if not calls else ("\n" if content else "") + json.dumps({"tool_calls": calls}, ensure_ascii=False),
+              flush=True)
+    return c, content, calls
+
+
+def tool_result(messages: list[dict], line: str) -> bool:
+    """`/tool ID RESULT` in --interactive: the result of call ID (the rest of the line, usually JSON) as a tool
+    message; True while a call of the last reply still waits for its result."""
+    _, call_id, result = (line.split(maxsplit=2) + ["", ""])[:3]
+    last = next((m for m in reversed(messages) if m["role"] == "assistant"), {})
+    calls = [c["id"] for c in last.get("tool_calls") or []]
+    if call_id not in calls:
+        raise ValueError(f"/tool takes the id of a call of the last reply ({', '.join(calls) or 'it made none'}) "
+                         f"and the result: /tool ID RESULT; got {line[:60]!r}")
+    messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
+    answered = {m["tool_call_id"] for m in messages[messages.index(last):] if m["role"] == "tool"}
+    return not set(calls) <= answered
 
 
 def main(argv: list[str] | None = None) -> int:

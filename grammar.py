@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("json_schema", "json_object", "regex", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "grammar", "lark")
 # One line of JSON with json.dumps's separators: what models write, and no room for runs of whitespace.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte fallback
@@ -24,8 +24,9 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte fallback
 
 @dataclass(frozen=True)
 class Constraint:
-    """What the output must match. spec: the JSON Schema as JSON text, the regex, or the grammar text (Lark, or
-    llama.cpp's GBNF); "" for json_object (any JSON object)."""
+    """What the output must match. spec: the JSON Schema as JSON text, the regex, the grammar text (Lark, or
+    llama.cpp's GBNF); "" for json_object (any JSON object). "lark" is llguidance's Lark taken as it is, never
+    guessed to be GBNF: what tools.py builds (its tool calls' grammars)."""
     kind: str
     spec: str = ""
 
@@ -65,6 +66,8 @@ def to_llguidance(constraint: Constraint) -> str:
             raise ValueError(f"invalid JSON schema: {e}") from None
     if constraint.kind == "regex":
         return LLMatcher.grammar_from_regex(constraint.spec)
+    if constraint.kind == "lark":
+        return LLMatcher.grammar_from_lark(constraint.spec)
     try:  # Lark (a `start:` rule) as it is; GBNF (llama.cpp's `root ::= ...`) converted to Lark
         return LLMatcher.grammar_from_lark(any_to_lark(constraint.spec))
     except Exception as e:  # the converter raises GbnfToLarkError, or a plain Exception for an unknown rule
@@ -102,8 +105,10 @@ def matcher_error(matcher) -> str:
 
 def token_bytes(tokenizer, vocab_size: int) -> tuple[list[bytes], list[int]]:
     """(the bytes each token id stands for, the special ids), for ids 0..vocab_size-1. Byte-level BPE (GPT-2 style:
-    each byte written as one printable character) and sentencepiece (a space as '▁', <0xNN> byte tokens) are read;
-    special tokens and ids past the tokenizer's vocabulary have no bytes (the grammar never allows them)."""
+    each byte written as one printable character) and sentencepiece (a space as '▁', <0xNN> byte tokens) are read.
+    A special token is 0xFF and its name, llguidance's mark for one (its llama.cpp binding writes them so): no text
+    matches it, and a Lark grammar can name it (`<[id]>`, as tools.py's triggers); ids past the tokenizer's
+    vocabulary have no bytes. Either way no grammar allows them as text."""
     backend = tokenizer.backend
     decoder = repr(backend.decoder)
     added = backend.get_added_tokens_decoder()  # id -> AddedToken
@@ -121,7 +126,7 @@ def token_bytes(tokenizer, vocab_size: int) -> tuple[list[bytes], list[int]]:
     for i in range(vocab_size):
         piece = backend.id_to_token(i) if i < tokenizer.vocab_size else None
         if piece is None or (i in added and added[i].special):
-            out.append(b"")
+            out.append(b"" if piece is None else b"\xff" + piece.encode("utf-8"))
             special.append(i)
         elif i in added:
             out.append(added[i].content.encode("utf-8"))  # added tokens are written as plain text

@@ -136,6 +136,11 @@ class BlockPool:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.k, *self.v))
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Every layer's keys and values of block src into block dst (copy-on-write of a shared block)."""
+        for t in (*self.k, *self.v):
+            t[dst] = t[src]  # (K, block_size, D)
+
     @property
     def bytes_per_token(self) -> int:
         return self.nbytes // (self.num_blocks * self.block_size)

@@ -76,18 +76,20 @@ class Tokenizer:
                 self._text_backend.encode_special_tokens = True  # user-defined (non-special) tokens still match
             return self._text_backend
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of `messages` rendered with the chat template: the template's own special tokens are control
-        tokens and every message's content is text, as OpenAI tokenizes chat. So "<|im_end|>\\n<|im_start|>system"
-        typed in a message is those characters, never a turn of its own."""
-        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
-        if self.specials is None or not any(self.specials.search(c) for c in contents):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt), bos=False)  # the usual case
-        # Render with each special token's name in a content hidden behind a placeholder: every special token left
-        # in the text is then the template's own. Between them, each stretch is encoded as text, names restored.
-        # (Each stretch is tokenized on its own, as the backend does between special tokens anyway; a sentencepiece
-        # vocabulary adds its "▁" prefix before each stretch where it would add it only at the text's start.) The
-        # placeholder's private-use character is hidden as well where a content has it, so it marks only them.
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` rendered with the chat template (and `tools`, the template's `tools` variable):
+        the template's own special tokens are control tokens and every string the caller gave (contents, tool
+        calls, tool definitions) is text, as OpenAI tokenizes chat. So "<|im_end|>\\n<|im_start|>system" typed
+        in a message is those characters, never a turn of its own."""
+        if self.specials is None or not _any_string(self.specials.search, [messages, tools]):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), bos=False)
+        # Render with each special token's name in a given string hidden behind a placeholder: every special token
+        # left in the text is then the template's own. Between them, each stretch is encoded as text, names
+        # restored. (Each stretch is tokenized on its own, as the backend does between special tokens anyway; a
+        # sentencepiece vocabulary adds its "▁" prefix before each stretch where it would add it only at the text's
+        # start.) The placeholder's private-use character is hidden as well where a string has it, so it marks only
+        # them. Roles are the template's to read, never hidden.
         mark = "\ue000"
         hiding = re.compile(f"{self.specials.pattern}|{mark}")
         names: list[str] = []
@@ -96,9 +98,16 @@ class Tokenizer:
             names.append(match.group())
             return f"{mark}{len(names) - 1}{mark}"
 
-        hidden = [{**m, "content": hiding.sub(hide, m["content"])} if isinstance(m.get("content"), str) else m
-                  for m in messages]
-        text = self.apply_chat_template(hidden, add_generation_prompt)
+        def hidden(value, key=None):
+            if isinstance(value, str):
+                return value if key == "role" else hiding.sub(hide, value)
+            if isinstance(value, dict):
+                return {k: hidden(v, k) for k, v in value.items()}
+            if isinstance(value, list):
+                return [hidden(v) for v in value]
+            return value
+
+        text = self.apply_chat_template(hidden(messages), add_generation_prompt, hidden(tools))
         placeholder = re.compile(f"{mark}([0-9]+){mark}")
         ids, start = [], 0
         for match in [*self.specials.finditer(text), None]:
@@ -109,14 +118,17 @@ class Tokenizer:
                 start = match.end()
         return ids + [self.eos_ids[0]] * self.add_eos
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's Jinja chat template, as transformers' apply_chat_template does."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render `messages` with the model's Jinja chat template, as transformers' apply_chat_template does;
+        `tools` (OpenAI tool definitions) is the template's `tools` variable (tools.py renders them into the
+        messages for a template that does not read it)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; pass a model that ships one")
         # transformers drops None fields: templates test `'key' in message`, not the value
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         return _compile_template(self.chat_template).render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            messages=messages, tools=tools or None, documents=None, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token, eos_token=self.eos_token)
 
     def stream(self) -> "StreamDecoder":
@@ -364,8 +376,33 @@ def _read_sentencepiece_model(path: str) -> tuple[list[str], list[float], list[i
 
 
 @lru_cache(maxsize=8)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a chat template reads from its context (`messages`, `tools`, ...): what it can render."""
+    from jinja2 import meta
+
+    return frozenset(meta.find_undeclared_variables(_template_env().parse(source)))
+
+
+def _any_string(found, value) -> bool:
+    """Whether found(s) holds for a string anywhere in value (nested dicts and lists)."""
+    if isinstance(value, str):
+        return bool(found(value))
+    if isinstance(value, dict):
+        return any(_any_string(found, v) for v in value.values())
+    if isinstance(value, list):
+        return any(_any_string(found, v) for v in value)
+    return False
+
+
+@lru_cache(maxsize=8)
 def _compile_template(source: str):
     """Compile a chat template in the Jinja environment transformers uses."""
+    return _template_env().from_string(source)
+
+
+@lru_cache(maxsize=1)
+def _template_env():
+    """The Jinja environment transformers renders chat templates in."""
     import datetime
     import jinja2
     from jinja2.ext import Extension, loopcontrols
@@ -390,7 +427,7 @@ def _compile_template(source: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env
 
 
 def _read_json(path: str) -> dict:

@@ -1,6 +1,8 @@
 """The serving engine against decode.generate: continuous batching with chunked prefill, prefix-cache hits and
 preemption token-identical to single runs, per-request sampling, failures confined to their request, and block
-accounting. (The paged cache itself is checked against the static one in test_kvcache.py.)"""
+accounting; parallel sampling (each choice a seeded single run, forks sharing blocks, best_of ranking), logprobs, and
+prompt logprobs against an uncached forward. (The paged cache itself is checked against the static one in
+test_kvcache.py.)"""
 import copy
 import os
 import random
@@ -8,7 +10,9 @@ import random
 import pytest
 import torch
 
-import engine as engine_module
+import choices as choices_module
+import decode
+import scheduler
 from step import Step
 from engine import Engine, EngineConfig, QueueFull, Request
 from helpers import ROOT, ToyTokenizer
@@ -64,12 +68,12 @@ def test_prefix_hit_verifies_tokens(model):
     prompts = random_prompts([20, 20], seed=3)
     expected = [greedy_ids(model, p, 8) for p in prompts]
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60))
-    original = engine_module.chain_hash
+    original = scheduler.chain_hash
     try:
-        engine_module.chain_hash = lambda previous, tokens: previous * 31 + len(tokens)  # collides on every block
+        scheduler.chain_hash = lambda previous, tokens: previous * 31 + len(tokens)  # collides on every block
         got = [eng.generate([p], max_tokens=8)[0] for p in prompts]
     finally:
-        engine_module.chain_hash = original
+        scheduler.chain_hash = original
     assert [c.tokens for c in got] == expected
     assert got[1].prefilled == 20  # nothing reused: the tokens did not match
 
@@ -196,14 +200,14 @@ def test_a_failure_fails_only_its_request_and_the_engine_serves_on(model, monkey
     model = copy.deepcopy(model)  # its forward is patched below
     prompts = random_prompts([6, 9, 12], seed=12)
     poisoned = SamplingParams(temperature=0.5)
-    real_sample_tokens = engine_module.sample_tokens
+    real_sample_tokens = choices_module.sample_tokens
 
     def sample_tokens(logits, params, *args, **kw):
         if params is poisoned:
             raise FloatingPointError("overflow in sampling")
         return real_sample_tokens(logits, params, *args, **kw)
 
-    monkeypatch.setattr(engine_module, "sample_tokens", sample_tokens)
+    monkeypatch.setattr(choices_module, "sample_tokens", sample_tokens)
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60, max_running=4))
     events = {}
     for p, params in zip(prompts, [SamplingParams(), poisoned, SamplingParams()]):
@@ -260,3 +264,189 @@ def test_smollm2_concurrent_greedy_equals_single_runs(smollm2):
     eng = Engine(model, tok, EngineConfig(block_size=16, num_blocks=256, token_budget=128))
     got = eng.generate(prompts, max_tokens=24)
     assert [c.tokens for c in got] == expected
+
+
+# ---- parallel sampling (n, best_of), logprobs, prompt logprobs ----
+
+def run(eng, *requests):
+    """Serve requests to the end; per request id, its events."""
+    events = {}
+    for r in requests:
+        r.on_event = lambda e: events.setdefault(e.request_id, []).append(e)
+        eng.submit(r)
+    while eng.step():
+        pass
+    return events
+
+
+def by_choice(events):
+    """A request's events -> per choice index, (token ids, finish reason, its events)."""
+    out = {}
+    for e in events:
+        ids, reason, evs = out.setdefault(e.index, ([], None, []))
+        assert reason is None, f"event after choice {e.index} finished"
+        ids.extend(e.token_ids)
+        evs.append(e)
+        out[e.index] = (ids, e.finish_reason if e.finished else None, evs)
+    return out
+
+
+def assert_no_block_held(eng):
+    stats = eng.stats()
+    assert stats["running"] == stats["waiting"] == stats["blocks_used"] == 0
+    assert all(r == 0 for r in eng.blocks.refs)
+    assert len(eng.blocks.free) + len(eng.blocks.evictable) == stats["blocks_total"]
+
+
+SAMPLED = SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.1)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("name", ["roomy", "preemption"])
+def test_choice_i_is_the_request_alone_with_seed_plus_i(model, name, params):
+    """n = 4 with seed s: choice i is decode.generate with a generator seeded s + i (so choice 0 is the request with
+    n = 1), with forks that share the prompt's blocks, and, in a 30-block pool, forks preempted and recomputed."""
+    prompts = random_prompts([42, 23], seed=21)
+    eng = Engine(model, ToyTokenizer(), CONFIGS[name])
+    events = run(eng, *(Request(p, params, 20, seed=7 + 10 * k, n=4) for k, p in enumerate(prompts)))
+    for k, p in enumerate(prompts):
+        got = by_choice(events[k])
+        assert sorted(got) == [0, 1, 2, 3]
+        for i, (ids, reason, _) in got.items():
+            assert ids == greedy_ids(model, p, 20, params, generator=torch.Generator().manual_seed(7 + 10 * k + i))
+            assert reason == "length"
+    if name == "preemption":
+        assert eng.stats()["preemptions"] > 0
+    assert_no_block_held(eng)
+    alone = run(eng, Request(prompts[0], params, 20, seed=7))  # n = 1: what it always gave
+    assert [t for e in alone[2] for t in e.token_ids] == by_choice(events[0])[0][0]
+    assert [e.index for e in alone[2]] == [0] * 20 and alone[2][-1].tokens is None
+
+
+def test_forks_share_the_prompt_blocks(model):
+    """One request with n = 4 holds fewer blocks than 4 requests of its prompt (prefix caching off), and every
+    block is free again after it. The prompt's last block is partial: each fork but one copies it."""
+    prompt = random_prompts([42], seed=22)[0]
+    config = EngineConfig(block_size=4, num_blocks=200, max_running=16, token_budget=512, prefix_caching=False)
+
+    def peak_blocks(*requests):
+        eng = Engine(model, ToyTokenizer(), config)
+        for r in requests:
+            eng.submit(r)
+        peak = 0
+        while eng.step():
+            peak = max(peak, eng.stats()["blocks_used"])
+        assert_no_block_held(eng)
+        assert len(eng.blocks.free) == config.num_blocks - 1
+        return peak
+
+    shared = peak_blocks(Request(prompt, SAMPLED, 16, seed=1, n=4))
+    separate = peak_blocks(*(Request(prompt, SAMPLED, 16, seed=1 + i) for i in range(4)))
+    print(f"blocks held: n=4 {shared}, 4 requests {separate}")
+    assert shared < separate
+    # Between steps a sequence holds at most positions 0..55 (the block for its last fed token is taken and given
+    # back in its last step): 14 blocks alone; the forks share the prompt's 10 full blocks and have 4 each of
+    # their own, the copy of the partial one and three more.
+    assert (shared, separate) == (10 + 4 * 4, 4 * 14)
+
+
+def test_a_prompt_to_fork_keeps_room_for_its_forks(model):
+    """A request with n = 4 takes 4 of max_running's slots when admitted: the short prompts queued behind it wait
+    instead of filling the room its forks need (6 running sequences, over max_running)."""
+    eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=100, max_running=4, token_budget=16))
+    for k, p in enumerate(random_prompts([30, 5, 5], seed=27)):
+        eng.submit(Request(p, SAMPLED, 6, seed=0, n=4 if k == 0 else 1))
+    peak = 0
+    while eng.step():
+        peak = max(peak, eng.stats()["running"])
+    assert peak == 4 and eng.stats()["requests_finished"] == 3
+
+
+def test_best_of_returns_the_n_most_likely(model):
+    """best_of = 4, n = 2: the two of the four sampled choices with the highest cumulative logprob, in that order,
+    as one event each at the end, indexed 0 and 1."""
+    prompt = random_prompts([15], seed=23)[0]
+    eng = Engine(model, ToyTokenizer(), CONFIGS["roomy"])
+    four = by_choice(run(eng, Request(prompt, SAMPLED, 12, seed=3, n=4, logprobs=0))[0])
+    total = {i: sum(t.logprob for e in evs for t in e.tokens) for i, (_, _, evs) in four.items()}
+    ranked = sorted(total, key=lambda i: -total[i])
+    assert len(set(total.values())) == 4
+    events = run(eng, Request(prompt, SAMPLED, 12, seed=3, n=2, best_of=4))[1]
+    assert [e.index for e in events] == [0, 1] and all(e.finished for e in events)
+    assert [e.token_ids for e in events] == [four[i][0] for i in ranked[:2]]
+    assert events[0].tokens is None  # logprobs were not asked for
+    assert_no_block_held(eng)
+
+
+def test_abort_ends_every_choice(model):
+    eng = Engine(model, ToyTokenizer(), CONFIGS["roomy"])
+    events = []
+    rid = eng.submit(Request(random_prompts([9], seed=24)[0], SAMPLED, 50, n=3, on_event=events.append))
+    eng.step()  # the prompt is in: three choices
+    eng.step()
+    eng.abort(rid)
+    while eng.step():
+        pass
+    finals = [e for e in events if e.finished]
+    assert sorted(e.index for e in finals) == [0, 1, 2] and {e.finish_reason for e in finals} == {"abort"}
+    events.clear()
+    rid = eng.submit(Request([1, 2, 3], max_tokens=5, n=2, on_event=events.append))
+    eng.abort(rid)  # before its prompt is in: both choices end
+    while eng.step():
+        pass
+    assert sorted((e.index, e.finish_reason, e.token_ids) for e in events) == [(0, "abort", []), (1, "abort", [])]
+    assert_no_block_held(eng)
+
+
+def test_generated_token_logprobs_are_decode_generates(model):
+    prompt = random_prompts([11], seed=25)[0]
+    expected = list(decode.generate(model, prompt, max_new_tokens=8, params=SAMPLED,
+                                    generator=torch.Generator().manual_seed(4), logprobs=3))
+    events = run(Engine(model, ToyTokenizer(), CONFIGS["roomy"]), Request(prompt, SAMPLED, 8, seed=4, logprobs=3))[0]
+    tokens = [t for e in events for t in e.tokens]
+    assert [t.id for t in tokens] == [t for e in events for t in e.token_ids] == [t.id for t in expected]
+    for got, want in zip(tokens, expected):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [i for i, _ in got.top] == [i for i, _ in want.top]
+
+
+def uncached_prompt_logprobs(model, prompt):
+    """(T, V) log_softmax of one plain teacher-forced forward, no cache."""
+    return torch.log_softmax(model(torch.tensor([prompt]), torch.arange(len(prompt)), all_logits=True)[0], dim=-1)
+
+
+@pytest.mark.parametrize("name", ["roomy", "chunked-prefill"])
+def test_prompt_logprobs_equal_an_uncached_forward(model, name):
+    """Each prompt position's logprob and top 3 under the model's log_softmax, as one uncached forward gives them,
+    chunked prefill or not; a second identical request (its blocks in the prefix cache) gets them again."""
+    prompt = random_prompts([50], seed=26)[0]
+    lp = uncached_prompt_logprobs(model, prompt)
+    eng = Engine(model, ToyTokenizer(), CONFIGS[name])
+    run(eng, Request(prompt, max_tokens=2))  # fills the prefix cache
+    first = run(eng, Request(prompt, max_tokens=0, prompt_logprobs=3))[1]
+    assert len(first) == 1 and first[0].finished and first[0].finish_reason == "length"
+    assert first[0].token_ids == [] and first[0].completion_tokens == 0 and first[0].cached_tokens == 0
+    got = first[0].prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    for i in range(1, len(prompt)):
+        assert got[i].id == prompt[i]
+        assert got[i].logprob == pytest.approx(lp[i - 1, prompt[i]].item(), abs=1e-5)
+        assert [t for t, _ in got[i].top] == lp[i - 1].topk(3).indices.tolist()
+        assert [v for _, v in got[i].top] == pytest.approx(lp[i - 1].topk(3).values.tolist(), abs=1e-5)
+    again = by_choice(run(eng, Request(prompt, max_tokens=4, prompt_logprobs=3, n=2))[2])
+    for i in (0, 1):
+        evs = again[i][2]
+        assert evs[0].prompt_logprobs == got and all(e.prompt_logprobs is None for e in evs[1:])
+        assert again[i][0] == greedy_ids(model, prompt, 4)
+    assert_no_block_held(eng)
+
+
+def test_bad_parallel_requests(model):
+    eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60, max_running=4))
+    for request, message in [(Request([1, 2], n=0), "n must be >= 1"),
+                             (Request([1, 2], n=3, best_of=2), "best_of must be >= n"),
+                             (Request([1, 2], n=5), "at most the engine's max_running"),
+                             (Request([1, 2], max_tokens=0), "max_new_tokens must be >= 1"),
+                             (Request([1, 2], logprobs=-1), "logprobs must be >= 0")]:
+        with pytest.raises(ValueError, match=message):
+            eng.submit(request)

@@ -83,8 +83,10 @@ def test_token_bytes_concatenate_to_the_text(name, toy, smollm2_tokenizer):
     # sentencepiece writes a leading '▁' before the text (its dummy prefix), which decode drops
     assert got == (b" " if name == "sentencepiece" else b"") + text.encode("utf-8"), (got, ids)
     assert set(tokenizer.eos_ids) <= set(special)
-    assert all(tokens[i] == b"" for i in special)
+    assert all(tokens[i] == b"\xff" + tokenizer.backend.id_to_token(i).encode() for i in special
+               if i < tokenizer.vocab_size)  # llguidance's mark of a special token: no text matches it
     assert special[-3:] == [tokenizer.vocab_size + k for k in range(3)]  # ids past the vocabulary: never allowed
+    assert all(tokens[i] == b"" for i in special[-3:])
 
 
 # ---- the mask ----
@@ -265,6 +267,24 @@ def test_batch_rows_and_engine_sequences_have_their_own_matchers(tiny, toy, comp
     sampled = engine.generate(prompts, SamplingParams(temperature=1.0), max_tokens=40, seed=1, grammar=grammar)
     for s in sampled:
         jsonschema.validate(json.loads(s.text), PEOPLE)
+
+
+def test_each_engine_choice_has_its_own_matcher(tiny, toy, compiler):
+    """n = 3, sampled: choice i follows the grammar with a matcher of its own, as decode.generate does with seed + i."""
+    grammar = compiler.compile(Constraint("json_schema", json.dumps(PEOPLE)))
+    prompt = toy.encode("hello there", bos=False)
+    params = SamplingParams(temperature=1.0)
+    engine = Engine(tiny, toy, EngineConfig(num_blocks=64, max_running=4, token_budget=64))
+    events = []
+    engine.submit(Request(prompt, params, 40, seed=1, on_event=events.append, grammar=grammar, n=3))
+    while engine.step():
+        pass
+    for i in range(3):
+        alone = [t.id for t in generate(tiny, prompt, max_new_tokens=40, params=params,
+                                        generator=torch.Generator().manual_seed(1 + i), stop_ids=toy.eos_ids,
+                                        grammar=grammar)]
+        assert [t for e in events if e.index == i for t in e.token_ids] == alone
+        jsonschema.validate(json.loads("".join(e.text for e in events if e.index == i)), PEOPLE)
 
 
 def test_unconstrained_generation_is_unchanged(tiny, toy, compiler):

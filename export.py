@@ -2,7 +2,7 @@
 
     python export.py --model M --mode int4:64 --out DIR
 
-model.safetensors holds the quantized modules' tensors with the mode in its metadata (load.read_quantization),
+model.safetensors holds the quantized modules' tensors with the mode in its metadata (hffolder.read_quantization),
 beside config.json and the tokenizer files (copied from a Hugging Face folder, or built from a GGUF vocabulary).
 """
 import argparse
@@ -16,36 +16,13 @@ import torch
 import torch.nn as nn
 
 from cli import default_model, run_cli
-from load import checkpoint_state, load_model, read_quantization, resolve_model_path
+from hffolder import read_quantization
+from load import checkpoint_state, load_model, resolve_model_path
 from quantize import MODES_HELP, parse_mode, quantization_of, weight_bytes
 from tokenizer import load_tokenizer
 
 OUT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
              "tokenizer.model", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
-
-
-def hf_config(args) -> dict:
-    """A Hugging Face LlamaForCausalLM (or MixtralForCausalLM) config.json for ModelArgs (e.g. from a GGUF file)."""
-    if args.rope_freq_factors is not None:
-        raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
-                         "cannot express; save from the Hugging Face checkpoint instead")
-    if args.sliding_window is not None:
-        raise ValueError("sliding-window models are saved from their Hugging Face folder, not from GGUF")
-    moe = args.n_experts is not None
-    cfg = {
-        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"], "model_type": "mixtral" if moe
-        else "llama", "vocab_size": args.vocab_size,
-        "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "intermediate_size": args.hidden_dim,
-        "hidden_act": "silu", "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False, "mlp_bias": False,
-    }
-    if args.rope_scaling:
-        cfg["rope_scaling"] = dict(args.rope_scaling)
-    if moe:
-        cfg.update(num_local_experts=args.n_experts, num_experts_per_tok=args.n_experts_per_token)
-    return cfg
 
 
 def gguf_tokenizer_files(gguf_path: str) -> dict[str, str]:
@@ -150,7 +127,7 @@ def save_quantized(model: nn.Module, source: str, out: str) -> None:
                 if os.path.isfile(os.path.join(source, name)):
                     shutil.copyfile(os.path.join(source, name), partial(name))
         else:
-            texts = {"config.json": json.dumps(hf_config(model.args), indent=2), **gguf_tokenizer_files(source)}
+            texts = {"config.json": json.dumps(model.args.to_hf_config(), indent=2), **gguf_tokenizer_files(source)}
             for name, text in texts.items():
                 with open(partial(name), "w", encoding="utf-8") as f:
                     f.write(text)

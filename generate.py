@@ -39,7 +39,8 @@ from cli import (DTYPES, FALLBACK_MODEL, THREADS_HELP, check_seed, check_text, d
                  pick_dtype, read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line)
 from decode import Session, check_request, fit_new_tokens, generate, generate_batch
 from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
-from load import generation_defaults, load_model, resolve_model_path
+from hffolder import generation_defaults
+from load import load_model, resolve_model_path
 from model import Transformer
 from quantize import describe, parse_mode, quantization_of, weight_bytes
 from sample import SamplingParams
@@ -51,7 +52,7 @@ from tokenizer import load_tokenizer
 from tools import CHOICES, ToolRequest, finish_reason, message as tool_message, tool_request
 
 DEFAULT_NEW_TOKENS = 200  # --max-new-tokens when not given (fewer when the prompt leaves less of the context)
-# The sampling flags a checkpoint's generation_config.json may give defaults for (load.GENERATION_SAMPLING), and
+# The sampling flags a checkpoint's generation_config.json may give defaults for (hffolder.GENERATION_SAMPLING), and
 # their defaults without one.
 SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
 MAX_LOGPROBS = 20  # --logprobs at most, as OpenAI's top_logprobs: each alternative is decoded and printed per token

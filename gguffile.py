@@ -1,4 +1,6 @@
-"""Reading a GGUF file: its metadata as plain Python values and its tensors as memory-mapped numpy arrays.
+"""Reading a GGUF file: its metadata as plain Python values and its tensors as memory-mapped numpy arrays; and the
+format's conversions to this runtime's: tensor names, llama.cpp's q/k row order, the Q4_0/Q4_1/Q8_0 blocks as
+codes and scales, and dequantization in bounded steps (load.py decides which a tensor gets).
 
 gguf's GGUFReader reads the same, but builds numpy views for every part of every metadata value: on SmolLM2 (a
 49,152-token vocabulary and 48,900 merges) it takes about 2 s, and a run reads the file twice (the weights, then the
@@ -13,13 +15,30 @@ import mmap
 import struct
 from dataclasses import dataclass
 
+import gguf
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quant_shape_to_byte_shape
 
 SCALARS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
            GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
            GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
            GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d"}
+# GGUF tensor names (llama.cpp) -> ours, which are Hugging Face's without the `model.` prefix.
+GGUF_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # Mixtral's router
+}
+GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # (E, N, K)
 # tensor types GGUFReader returns as numbers; every other type (BF16, the quantized blocks) as rows of bytes
 NUMERIC = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
            GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
@@ -109,3 +128,89 @@ def read_gguf(path: str) -> tuple[dict, list[GGUFTensor]]:
             raw.reshape(quant_shape_to_byte_shape(shape, kind))
         tensors.append(GGUFTensor(name, kind, shape, data))
     return meta, tensors
+
+
+# ---- the format's tensors as ours ----
+
+@dataclass
+class ExpertSlice:
+    """One expert's (N, K) matrix of a GGUF tensor that stacks all E experts, read as int4_blocks and
+    dequantize read a file tensor (GGUFTensor): its data rows and block type."""
+    data: object  # numpy rows (N, K) or (N, bytes per row) of one expert
+    tensor_type: object
+
+
+def named_tensors(file_tensors: list[GGUFTensor]) -> tuple[dict, dict[str, tuple]]:
+    """The file's tensors under our names ({name: GGUFTensor or ExpertSlice}) and their torch shapes: a stacked
+    `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C)."""
+    tensors, shapes = {}, {}
+    for t in file_tensors:
+        shape = t.shape
+        parts = t.name.split(".")
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_EXPERT_NAMES and len(shape) == 3:
+            for e in range(shape[0]):
+                name = f"layers.{parts[1]}.mlp.experts.{e}.{GGUF_EXPERT_NAMES[parts[2]]}.{parts[3]}"
+                tensors[name], shapes[name] = ExpertSlice(t.data[e], t.tensor_type), shape[1:]
+            continue
+        name = tensor_name(t.name)
+        tensors[name], shapes[name] = t, shape
+    return tensors, shapes
+
+
+def tensor_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `layers.3.self_attn.q_proj.weight`; unknown names pass through (and fail the check).
+    Mixtral GGUFs from before llama.cpp stacked the experts name each one: `blk.3.ffn_up.5.weight`."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BLOCK_NAMES:
+        return f"layers.{parts[1]}.{GGUF_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 5 and parts[2] in ("ffn_gate", "ffn_up", "ffn_down") and parts[3].isdigit():
+        return f"layers.{parts[1]}.mlp.experts.{parts[3]}.{parts[2].removeprefix('ffn_')}_proj.{parts[4]}"
+    if len(parts) == 2 and parts[0] in GGUF_TOP_NAMES:
+        return f"{GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
+    return gguf_name
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp stores q/k rows with RoPE pairs interleaved (2i, 2i+1); our RoPE pairs (i, i + D/2).
+    Its converter reshaped each head's rows as (2, D/2) -> (D/2, 2); this is the inverse."""
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+INT4_TYPES = ("Q4_0", "Q4_1")  # llama.cpp block types whose codes Int4Linear (group 32) takes as they are
+
+
+def int4_blocks(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0/Q4_1 tensor's codes (N, K) uint8 in [0, 15] and per-block scale and zero (N, K/32) float32, in our
+    int4 scheme w = (q - 8) * scale + zero. Q4_1 stores d and m with w = d * q + m: scale d, zero m + 8d; Q4_0 is
+    w = d * (q - 8): zero 0. A block's 16 bytes hold weights j (low nibble) and j + 16 (high nibble)."""
+    N, K = shape
+    raw = torch.from_numpy(t.data.copy()).view(N, K // 32, -1)  # (N, blocks, bytes per block)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, K/32)
+    if t.tensor_type.name == "Q4_1":
+        m, qs = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0], raw[..., 4:20]
+        zeros = m + 8 * d
+    else:
+        qs, zeros = raw[..., 2:18], torch.zeros_like(d)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).view(N, K)  # (N, K/32, 16) x 2 -> (N, K)
+    return codes, d, zeros
+
+
+def q8_0_blocks(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's codes (N, K) int8 and per-block scale d (N, K/32) float32: w = d * q. A block is d (float16)
+    and 32 int8 codes."""
+    N, K = shape
+    raw = torch.from_numpy(t.data.copy()).view(N, K // 32, 34)  # (N, blocks, bytes per block)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, K/32)
+    return raw[..., 2:].contiguous().view(torch.int8).reshape(N, K), d
+
+
+def dequantize(t, shape: tuple[int, ...], rows: int = 4096) -> torch.Tensor:
+    """A GGUF tensor as float32, dequantized `rows` rows at a time: numpy's temporaries for a large
+    embedding would otherwise be several times its size, and set the peak memory of the whole load."""
+    out = torch.empty(shape, dtype=torch.float32)
+    flat = out.view(shape[0], -1)  # (rows, ...) -> 2-D; the file's data has one row per torch row
+    for i in range(0, shape[0], rows):
+        block = gguf.quants.dequantize(t.data[i:i + rows], t.tensor_type)  # may be a read-only memory-map view
+        flat[i:i + rows] = torch.from_numpy(block.reshape(flat[i:i + rows].shape).copy())
+    return out

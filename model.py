@@ -4,137 +4,18 @@ Shape legend used in the comments:
   B batch, T tokens in this call, S key positions (cache length), C model width,
   H query heads, K key/value heads (GQA: H is a multiple of K), D head dim, V vocab,
   M = B x T token rows, E experts (Mixtral), k experts per token, F one MLP's (or expert's) width.
-Loading and converting checkpoints lives in load.py; the KV cache in kvcache.py.
+The hyper-parameters (ModelArgs) and their mappings to and from checkpoint configs live in config.py; loading and
+converting checkpoints in load.py; the KV cache in kvcache.py.
 """
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from config import ModelArgs
 from kvcache import KVCache, LayerKVCache
-
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
-# Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
-ROPE_PARAMS = {"default": (), "linear": ("factor",),
-               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-
-
-def positive_int(value, what: str) -> int:
-    """value if it is an integer >= 1 (JSON's true is not one), else a ValueError naming `what`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}")
-    return value
-
-
-def positive_number(value, what: str) -> float:
-    """value if it is a finite number > 0, else a ValueError naming `what`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{what} must be a positive number, got {value!r}")
-    return value
-
-
-@dataclass
-class ModelArgs:
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    hidden_dim: int  # width of the SwiGLU MLP (Mixtral: of each expert)
-    n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
-    head_dim: int | None = None  # None: dim // n_heads
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", ...} as in HF config.json
-    rope_freq_factors: tuple[float, ...] | None = None  # GGUF `rope_freqs`: inv_freq is divided by these
-    max_seq_len: int = 4096  # the model's context length
-    sliding_window: int | None = None  # Mistral: a query sees only the last `sliding_window` keys
-    tie_embeddings: bool = False
-    n_experts: int | None = None  # Mixtral: a sparse mixture of SwiGLU experts per layer; None: one dense MLP
-    n_experts_per_token: int = 2  # Mixtral: experts each token is routed to (top-k)
-
-    def __post_init__(self):
-        """The checks every source (config.json, GGUF metadata) needs: what would otherwise fail later, inside
-        the forward or the RoPE tables. The loaders check each value's type first, under the file's own names."""
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.head_dim is None:
-            self.head_dim = self.dim // self.n_heads  # rounded down, as transformers does (the weights' shapes tell)
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} "
-                             "key/value heads")
-        if self.head_dim % 2:
-            raise ValueError(f"head dim {self.head_dim} is odd; rotary embeddings rotate pairs of dimensions")
-        scaling = self.rope_scaling or {}
-        rope_type = scaling.get("rope_type", "default")
-        if not isinstance(rope_type, str) or rope_type not in ROPE_PARAMS:
-            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_PARAMS)}")
-        missing = [key for key in ROPE_PARAMS[rope_type] if key not in scaling]
-        if missing:
-            raise ValueError(f"rope type {rope_type!r} needs rope_scaling {', '.join(missing)}")
-        for key in ROPE_PARAMS[rope_type]:
-            positive_number(scaling[key], f"rope_scaling {key}")
-        if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-            raise ValueError(f"rope_scaling high_freq_factor {scaling['high_freq_factor']} must be greater than "
-                             f"low_freq_factor {scaling['low_freq_factor']} (llama3 rope divides by their difference)")
-        if self.n_experts is not None and not 1 <= self.n_experts_per_token <= self.n_experts:
-            raise ValueError(f"{self.n_experts_per_token} experts per token is not within 1..{self.n_experts} experts")
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        """Fill from a Hugging Face config.json (LlamaForCausalLM, MistralForCausalLM or MixtralForCausalLM).
-        A missing key or a value of the wrong type is a ValueError naming the key."""
-        if not isinstance(cfg, dict):
-            raise ValueError(f"config.json must hold a JSON object, not a {type(cfg).__name__}")
-        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
-        if not isinstance(archs, list):
-            raise ValueError(f"config.json architectures must be a list, got {archs!r}")
-        if archs[0] not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(ARCHITECTURES)}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; supported: 'silu'")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ValueError("unsupported config: attention_bias/mlp_bias must be false")
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "intermediate_size") if cfg.get(k) is None]
-        if missing:
-            raise ValueError(f"config.json has no {', '.join(missing)}")
-
-        def size(key: str, default: int | None = None) -> int | None:
-            value = cfg.get(key)
-            value = default if value is None else value  # unset or null: the default (None: not used)
-            return None if value is None else positive_int(value, f"config.json {key}")
-
-        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older ones `rope_scaling` + `rope_theta`.
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"config.json rope_scaling must be an object, got {rope!r}")
-        rope = dict(rope)
-        rope_theta = positive_number(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)), "config.json rope_theta")
-        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-        tie = cfg.get("tie_word_embeddings", False)
-        if not isinstance(tie, bool):
-            raise ValueError(f"config.json tie_word_embeddings must be true or false, got {tie!r}")
-        moe = archs[0] == "MixtralForCausalLM"
-        return cls(
-            vocab_size=size("vocab_size"),
-            dim=size("hidden_size"),
-            n_layers=size("num_hidden_layers"),
-            n_heads=size("num_attention_heads"),
-            hidden_dim=size("intermediate_size"),
-            n_kv_heads=size("num_key_value_heads"),
-            head_dim=size("head_dim"),
-            norm_eps=positive_number(cfg.get("rms_norm_eps", 1e-6), "config.json rms_norm_eps"),
-            rope_theta=rope_theta,
-            rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
-            max_seq_len=size("max_position_embeddings", 4096),
-            sliding_window=size("sliding_window") if archs[0] != "LlamaForCausalLM" else None,
-            tie_embeddings=tie,
-            n_experts=size("num_local_experts", 8) if moe else None,
-            n_experts_per_token=size("num_experts_per_tok", 2) if moe else 2,
-        )
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -161,7 +42,7 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, H, T, D) by position, with cos and sin (T, D/2), or (B, 1, T, D/2) with per-row positions, in x's
-    dtype. Half-rotation layout: dim i pairs with i + D/2 (Hugging Face's layout; load.py converts GGUF's
+    dtype. Half-rotation layout: dim i pairs with i + D/2 (Hugging Face's layout; gguffile.unpermute_qk converts GGUF's
     interleaved q/k rows to it)."""
     x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -201,14 +82,58 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return y.permute(0, 1, 3, 2, 4).reshape(B, H, T, D).to(q.dtype)  # (B, H, T, D)
 
 
-class Linear(nn.Linear):
+class Parts:
+    """A linear that checkpoints store as several tensors: `parts` {checkpoint name: rows} in row order (qkv_proj:
+    q_proj | k_proj | v_proj), or None for one stored as itself. A loader hands in each part as it reads it
+    (load_part); parts_state gives them back. quantize.py's Int8Linear / Int4Linear mix it in too (ROW_DIMS)."""
+    parts: dict[str, int] | None = None
+    ROW_DIMS: dict[str, int] = {}  # a tensor whose output rows are not its dim 0
+
+    def row_counts(self) -> tuple[int, ...]:
+        """The row counts a weight handed to this module may have: its own, or one part's."""
+        return (self.out_features, *(self.parts or {}).values())
+
+    def part_rows(self, i: int) -> tuple[int, int]:
+        """(first row, rows) of part i."""
+        sizes = list(self.parts.values()) if self.parts else [self.out_features]
+        return sum(sizes[:i]), sizes[i]
+
+    def load_part(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Part i's tensors (name -> tensor, as a checkpoint stores them) into this module: a linear stored as
+        itself takes them as they are; a fused one copies their rows into its own, made (zeros) by the first part
+        to arrive, so rows past the parts' (padding) stay zero. Rows past a part's own are padding: dropped."""
+        start, n = self.part_rows(i)
+        for name, t in tensors.items():
+            current = getattr(self, name)
+            if self.parts is None:
+                assert t.shape == current.shape, f"{name}: {tuple(t.shape)} vs {tuple(current.shape)}"
+                new = t
+            else:
+                dim = self.ROW_DIMS.get(name, 0)
+                new = torch.zeros(current.shape, dtype=t.dtype, device=t.device) if current.is_meta else current
+                new.narrow(dim, start, n).copy_(t.narrow(dim, 0, n))
+            if new is not current:
+                setattr(self, name, nn.Parameter(new, requires_grad=False) if name in self._parameters else new)
+
+    def parts_state(self) -> list[dict[str, torch.Tensor]]:
+        """Each part's tensors as a checkpoint stores them (views of this module's rows); unfused, [state_dict()]."""
+        state = self.state_dict()
+        if self.parts is None:
+            return [state]
+        return [{name: t.narrow(self.ROW_DIMS.get(name, 0), *self.part_rows(i)) for name, t in state.items()}
+                for i in range(len(self.parts))]
+
+
+class Linear(Parts, nn.Linear):
     """A bias-free nn.Linear. Compiled on CPU with float32 weights, a one-row product is written as a multiply-and-
     sum: Inductor makes that a vectorized reduction that streams the weight about twice as fast as the GEMV of
     torch's matmul libraries (README, Benchmarks). bf16 weights keep F.linear: there MKL's GEMV is the faster one.
     Eager, batched or on CUDA it is F.linear."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, parts: dict[str, int] | None = None):
         super().__init__(in_features, out_features, bias=False)
+        self.parts = parts
+        assert parts is None or sum(parts.values()) == out_features, f"{parts} vs {out_features} rows"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         one_row = x.device.type == "cpu" and x.shape[:-1].numel() == 1
@@ -236,8 +161,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         # q, k and v as one weight (rows q | k | v): one larger matmul instead of three. Checkpoints keep
-        # q_proj/k_proj/v_proj; the loader joins them (load.FUSED).
-        self.qkv_proj = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim)
+        # q_proj/k_proj/v_proj, the parts the loader hands in (Parts).
+        q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.qkv_proj = Linear(args.dim, q_rows + 2 * kv_rows, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows})
         self.o_proj = Linear(args.n_heads * args.head_dim, args.dim)
 
     def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
@@ -261,7 +187,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_up_proj = Linear(args.dim, 2 * args.hidden_dim)  # rows gate | up, as qkv_proj
+        width = args.hidden_dim
+        self.gate_up_proj = Linear(args.dim, 2 * width, {"gate_proj": width, "up_proj": width})  # rows gate | up
         self.down_proj = Linear(args.hidden_dim, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -333,7 +260,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """Parameter names follow Hugging Face's (without the `model.` prefix), except the fused qkv_proj and
-    gate_up_proj, which load.py joins from a checkpoint's parts."""
+    gate_up_proj, which take a checkpoint's q/k/v and gate/up tensors as their parts (Parts)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

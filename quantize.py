@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model import Parts
+
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels (tinygemm on CUDA, int4pack on CPU) accept
 DEFAULT_GROUP = 32  # on SmolLM2 (a Q4_1 GGUF, groups of 32) larger groups cost far more quality: see README
 MODES_HELP = f"int8, int4 (group {DEFAULT_GROUP}) or int4:GROUP with GROUP in {', '.join(map(str, GROUP_SIZES))}"
@@ -126,12 +128,14 @@ def cuda_inner_k_tiles(k: int) -> int:
     return 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2  # K is a multiple of G >= 32
 
 
-class Int8Linear(nn.Module):
-    """y = x @ (codes * scales)^T with int8 codes (N, K) and one symmetric scale per output channel."""
+class Int8Linear(Parts, nn.Module):
+    """y = x @ (codes * scales)^T with int8 codes (N, K) and one symmetric scale per output channel.
+    parts: the checkpoint tensors it fuses (model.Parts), as the Linear it replaces."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32, device=None,
+                 parts: dict[str, int] | None = None):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.parts = in_features, out_features, parts
         self.in_padded = round_up(in_features, INT8_K_MULTIPLE)  # zero columns: they add nothing
         self.register_buffer("weight", torch.zeros(out_features, self.in_padded, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))
@@ -140,8 +144,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("kernel_scales", None, persistent=False)
 
     def quantize_weight(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The buffers (weight, scales) this module holds for float weight w (N, K)."""
-        assert tuple(w.shape) == (self.out_features, self.in_features), f"{tuple(w.shape)} vs {self}"
+        """The buffers (weight, scales) for float weight w (N, K): this module's, or one part's (N its rows)."""
+        assert w.shape[1] == self.in_features and w.shape[0] in self.row_counts(), f"{tuple(w.shape)} vs {self}"
         if self.in_padded != self.in_features:
             w = F.pad(w, (0, self.in_padded - self.in_features))
         blocks = [quantize_int8(b, self.scales.dtype) for b in w.split(ROW_BLOCK)]  # bounded temporaries
@@ -163,27 +167,35 @@ class Int8Linear(nn.Module):
             y = F.linear(x2, self.dequantize().to(x.dtype))
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def pack_for_kernel(self) -> None:
+        """Make kernel_scales, once the scales are loaded."""
         on_cpu = int8_kernel(self.scales.device) == "cpu"
         self.kernel_scales = self.scales.to(KERNEL_DTYPE) if on_cpu else None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.pack_for_kernel()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(Parts, nn.Module):
     """y = x @ W^T with W stored as 4-bit codes, two per byte, and a (scale, zero) pair per group of G inputs.
     K is padded to a multiple of G and N to a multiple of 16 (zero rows/columns) so every kernel takes them.
 
     `weight` holds the (N, K/2) bytes in the layout of the kernel the device uses (see int4_kernel); the state
-    dict always has the plain pack_int4 layout, so checkpoints do not depend on the machine that wrote them."""
+    dict always has the plain pack_int4 layout, so checkpoints do not depend on the machine that wrote them.
+    A part (model.Parts) is stored as an Int4Linear of its own shape stores it: padded to 16 rows."""
+    ROW_DIMS = {"scales_and_zeros": 1}  # (K/G, N, 2)
 
-    def __init__(self, in_features: int, out_features: int, group_size: int, device=None):
+    def __init__(self, in_features: int, out_features: int, group_size: int, device=None,
+                 parts: dict[str, int] | None = None):
         super().__init__()
         if group_size not in GROUP_SIZES:
             raise ValueError(f"int4 group size {group_size} is not supported; allowed: {GROUP_SIZES}")
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.parts = parts
         self.in_padded, self.out_padded = round_up(in_features, group_size), round_up(out_features, N_MULTIPLE)
         self.kernel = None  # the layout `weight` is in: None (plain), "cpu" or "cuda"
         self.register_buffer("weight", torch.zeros(self.out_padded, self.in_padded // 2, dtype=torch.uint8,
@@ -192,10 +204,12 @@ class Int4Linear(nn.Module):
                                                              dtype=KERNEL_DTYPE, device=device))
 
     def quantize_weight(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The plain buffers (weight, scales_and_zeros) this module holds for float weight w (N, K)."""
-        assert tuple(w.shape) == (self.out_features, self.in_features), f"{tuple(w.shape)} vs {self}"
-        if (self.out_padded, self.in_padded) != tuple(w.shape):  # F.pad copies even when it adds nothing
-            w = F.pad(w, (0, self.in_padded - self.in_features, 0, self.out_padded - self.out_features))
+        """The plain buffers (weight, scales_and_zeros) for float weight w (N, K): this module's, or one part's
+        (N its rows)."""
+        N, K = w.shape
+        assert K == self.in_features and N in self.row_counts(), f"{tuple(w.shape)} vs {self}"
+        if (round_up(N, N_MULTIPLE), self.in_padded) != (N, K):  # F.pad copies even when it adds nothing
+            w = F.pad(w, (0, self.in_padded - K, 0, round_up(N, N_MULTIPLE) - N))
         blocks = [quantize_int4(b, self.group_size, KERNEL_DTYPE) for b in w.split(ROW_BLOCK)]  # bounded temporaries
         return {"weight": torch.cat([pack_int4(c) for c, _ in blocks]),
                 "scales_and_zeros": torch.cat([sz for _, sz in blocks], dim=1)}
@@ -203,14 +217,32 @@ class Int4Linear(nn.Module):
     def buffers_for_codes(self, codes: torch.Tensor, scales: torch.Tensor,
                           zeros: torch.Tensor) -> dict[str, torch.Tensor]:
         """The plain buffers for codes (N, K) in [0, 15] with a scale and zero (N, K/G) per group, taken as they
-        are (a GGUF file's Q4_0/Q4_1 blocks): no rounding of the weights, only of scale and zero to bf16."""
+        are (a GGUF file's Q4_0/Q4_1 blocks): no rounding of the weights, only of scale and zero to bf16. N: this
+        module's rows, or one part's."""
         N, K = codes.shape
-        assert (N, K) == (self.out_features, self.in_features) and scales.shape == (N, K // self.group_size)
-        pad_n, pad_groups = self.out_padded - N, (self.in_padded - K) // self.group_size
+        assert K == self.in_features and N in self.row_counts() and scales.shape == (N, K // self.group_size)
+        pad_n, pad_groups = round_up(N, N_MULTIPLE) - N, (self.in_padded - K) // self.group_size
         codes = F.pad(codes, (0, self.in_padded - K, 0, pad_n), value=8)  # padding: scale 0, zero 0, so 0
         scales, zeros = (F.pad(t, (0, pad_groups, 0, pad_n)) for t in (scales, zeros))
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).to(KERNEL_DTYPE).contiguous()
         return {"weight": pack_int4(codes.to(torch.uint8)), "scales_and_zeros": scales_and_zeros}  # (K/G, N, 2)
+
+    def load_part(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
+        """As Parts.load_part, into the plain layout (pack_for_kernel follows); scales and zeros bf16 always (a
+        loader may have cast them to the model dtype)."""
+        assert self.kernel is None, "parts load into the plain layout; pack_for_kernel follows"
+        super().load_part(i, {k: t.to(KERNEL_DTYPE) if k == "scales_and_zeros" else t for k, t in tensors.items()})
+
+    def parts_state(self) -> list[dict[str, torch.Tensor]]:
+        parts = super().parts_state()
+        if self.parts is None:
+            return parts
+        out = []
+        for i, state in enumerate(parts):  # each as an Int4Linear of the part's own shape stores it: 16-row blocks
+            pad = -self.part_rows(i)[1] % N_MULTIPLE
+            out.append({k: F.pad(t, [0, 0] * (t.dim() - 1 - self.ROW_DIMS.get(k, 0)) + [0, pad]).contiguous()
+                        for k, t in state.items()})
+        return out
 
     def pack_for_kernel(self) -> None:
         """Convert the plain `weight` bytes to the layout of this device's kernel, if it has one."""
@@ -266,8 +298,6 @@ class Int4Linear(nn.Module):
         destination[prefix + "scales_and_zeros"] = self.scales_and_zeros
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        if prefix + "weight" not in state_dict:  # not this module's turn (a loader filled it already)
-            return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # reports what is missing
         if self.kernel is not None:  # back to a plain buffer that the incoming plain bytes can be copied into
             self.weight, self.kernel = pack_int4(self.codes()), None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -325,10 +355,10 @@ class Int8GroupLinear(nn.Module):
 
 def make_quantized_linear(kind: str, group: int | None, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
     """An empty Int8Linear / Int4Linear shaped like `linear`, on its device (meta included)."""
-    device = linear.weight.device
+    device, parts = linear.weight.device, getattr(linear, "parts", None)
     if kind == "int8":
-        return Int8Linear(linear.in_features, linear.out_features, dtype, device)
-    return Int4Linear(linear.in_features, linear.out_features, group, device)
+        return Int8Linear(linear.in_features, linear.out_features, dtype, device, parts)
+    return Int4Linear(linear.in_features, linear.out_features, group, device, parts)
 
 
 def swap_linears(model: nn.Module, mode: str, quantize_head: bool = False) -> dict[str, nn.Module]:
@@ -356,7 +386,10 @@ def quantize_model(model: nn.Module, mode: str, quantize_head: bool = False) -> 
         raise ValueError("the model is quantized already; quantize from its float weights (load with quantize='none')")
     floats = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     for name, module in swap_linears(model, mode, quantize_head).items():
-        module.load_state_dict(module.quantize_weight(floats[name]))
+        for i in range(len(module.parts or [None])):  # a fused linear part by part, exactly as loading fills it
+            start, n = module.part_rows(i)
+            module.load_part(i, module.quantize_weight(floats[name][start:start + n]))
+        module.pack_for_kernel()
     if quantize_head and model.args.tie_embeddings:
         dtype = model.embed_tokens.weight.dtype
         model.embed_tokens.weight = nn.Parameter(model.lm_head.dequantize().to(dtype), requires_grad=False)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from model import ModelArgs
+from config import ModelArgs
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split dim 0 (output rows)
 ROW_PARALLEL = ("o_proj", "down_proj")  # split dim 1 (input columns); their outputs are all-reduced

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 import export
-from load import load_model, read_quantization
+from hffolder import read_quantization
+from load import load_model
 from model import ModelArgs
 from quantize import quantization_of
 from tiny_models import greedy_ids, hf_to_ours, make_hf
@@ -39,15 +40,15 @@ def test_tiny_round_trip_equals_quantizing_at_load(tiny_dir, tmp_path):
 @pytest.mark.parametrize("name", ["llama-gqa", "llama3-rope", "llama-tied"])
 def test_hf_config_round_trips_model_args(name):
     args = hf_to_ours(make_hf(name)).args
-    assert ModelArgs.from_hf_config(export.hf_config(args)) == args
+    assert ModelArgs.from_hf_config(args.to_hf_config()) == args
 
 
 def test_hf_config_refuses_what_config_json_cannot_hold():
     args = hf_to_ours(make_hf("llama-gqa")).args
     with pytest.raises(ValueError, match="rope factors"):
-        export.hf_config(dataclasses.replace(args, rope_freq_factors=(1.0,) * 12))
+        dataclasses.replace(args, rope_freq_factors=(1.0,) * 12).to_hf_config()
     with pytest.raises(ValueError, match="sliding-window"):
-        export.hf_config(dataclasses.replace(args, sliding_window=16))
+        dataclasses.replace(args, sliding_window=16).to_hf_config()
 
 
 def test_out_folder_is_checked_before_loading(tmp_path, cli_error):

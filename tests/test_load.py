@@ -9,7 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from cli import pick_dtype
 from helpers import PEAK_RSS, run_py
-from load import load_model, read_quantization, unpermute_qk
+from gguffile import unpermute_qk
+from hffolder import read_quantization
+from load import load_model
 from tiny_models import SEQ_LEN, greedy_ids, make_hf
 
 
@@ -67,6 +69,20 @@ def test_wrong_shape(single_file):
     state["model.norm.weight"] = torch.ones(63)
     save_file(state, folder / "model.safetensors")
     with pytest.raises(ValueError, match=r"tensor norm.weight has shape \(63,\), expected \(64,\)"):
+        load_model(str(folder), "cpu", torch.float32)
+
+
+def test_final_check_names_what_was_not_filled(single_file, monkeypatch):
+    """Strict loading's last check, against a loader that skips a tensor or fills one twice: the error names it."""
+    import load
+
+    folder, _ = single_file
+    put = load.Filler.put
+    monkeypatch.setattr(load.Filler, "put", lambda self, name, t: name == "norm.weight" or put(self, name, t))
+    with pytest.raises(ValueError, match=r"missing \['norm.weight'\], still on the meta device \['norm.weight'\]"):
+        load_model(str(folder), "cpu", torch.float32)
+    monkeypatch.setattr(load.Filler, "put", lambda self, name, t: [put(self, name, t) for _ in range(2)])
+    with pytest.raises(ValueError, match=r"tensor lm_head.weight filled twice"):  # the file's first
         load_model(str(folder), "cpu", torch.float32)
 
 
@@ -216,9 +232,9 @@ def test_fused_projections_split_and_join_back(mode):
     separate q/k/v and gate/up products."""
     import torch.nn.functional as F
 
-    from load import checkpoint_state, join_state
+    from load import checkpoint_state, load_state
     from model import ModelArgs, Transformer
-    from quantize import quantize_model
+    from quantize import quantize_model, swap_linears
 
     torch.manual_seed(0)
     args = ModelArgs(vocab_size=64, dim=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=20, hidden_dim=96)
@@ -232,7 +248,11 @@ def test_fused_projections_split_and_join_back(mode):
     assert {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"} <= names and "qkv_proj" not in names
     if mode == "int4:32":
         assert state["layers.0.self_attn.k_proj.weight"].shape == (32, 32)  # 20 rows padded to 32, K/2 = 32
-    joined = join_state(model, state)
+    with torch.device("meta"):
+        empty = Transformer(args)
+    if mode is not None:
+        swap_linears(empty, mode)
+    joined = load_state(empty, state).state_dict()  # each part into its rows of the fused modules
     own = model.state_dict()
     assert joined.keys() == own.keys()
     assert all(torch.equal(joined[k], own[k]) for k in joined)
@@ -246,6 +266,34 @@ def test_fused_projections_split_and_join_back(mode):
         assert torch.allclose(mlp(x), want, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4:32"])
+def test_fused_rows_not_a_multiple_of_16(tmp_path, mode):
+    """qkv_proj of 66 + 22 + 22 = 110 rows (an Int4Linear pads them to 112, each part on its own to 80, 32, 32) and a
+    150-row head: quantizing at load gives exactly quantize_model's tensors, and an exported folder loads back to
+    them."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import export
+    from quantize import quantize_model
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=150, hidden_size=66, intermediate_size=72, num_hidden_layers=1,
+                                 num_attention_heads=3, num_key_value_heads=1, head_dim=22,
+                                 initializer_range=0.1)).save_pretrained(tmp_path / "src")
+    floats, _ = load_model(str(tmp_path / "src"), "cpu", torch.float32)
+    at_load, _ = load_model(str(tmp_path / "src"), "cpu", torch.float32, quantize=mode, quantize_head=True)
+    want = quantize_model(copy.deepcopy(floats), mode, quantize_head=True).state_dict()
+    got = at_load.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    out = tmp_path / "out"
+    assert export.main(["--model", str(tmp_path / "src"), "--mode", mode, "--quantize-head", "--out", str(out),
+                        "--dtype", "float32"]) == 0
+    loaded = load_model(str(out), "cpu", torch.float32)[0].state_dict()
+    assert loaded.keys() == got.keys() and all(torch.equal(loaded[k], got[k]) for k in got)
+
+
 # --- corrupt folders and files: one ValueError naming the problem, found before any weight is read ---
 
 class WeightRead(BaseException):
@@ -254,13 +302,14 @@ class WeightRead(BaseException):
 
 def forbid_weight_reads(monkeypatch) -> None:
     """Reading any weight fails the test: the error must come from the checks that run before."""
-    import load
+    import gguffile
+    import hffolder
 
     def read(*args, **kwargs):
         raise WeightRead("a weight was read before the error was found")
 
-    monkeypatch.setattr(load, "read_hf_tensor", read)
-    monkeypatch.setattr(load, "gguf_dequantize", read)
+    monkeypatch.setattr(hffolder, "read_tensor", read)
+    monkeypatch.setattr(gguffile, "dequantize", read)
 
 
 @pytest.fixture()
@@ -348,18 +397,18 @@ GGUF_META = {"general.architecture": "llama", "llama.attention.head_count": 4, "
     ({"llama.expert_count": 2, "llama.expert_used_count": 3}, "3 experts per token is not within 1..2"),
 ])
 def test_gguf_metadata_errors(edit, message):
-    from load import gguf_args
+    from config import ModelArgs
 
     meta = {k: v for k, v in {**GGUF_META, **edit}.items() if v is not None}
     with pytest.raises(ValueError, match=message):
-        gguf_args(meta, [])
+        ModelArgs.from_gguf(meta, [])
 
 
 def test_gguf_tensor_of_a_type_that_cannot_be_dequantized(tmp_path):
     """An I8 matrix (no GGUF converter writes one): named, instead of gguf's NotImplementedError."""
     import numpy as np
 
-    from load import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
+    from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
     from tiny_models import llama_gguf_writer
 
     hf = make_hf("llama-gqa")

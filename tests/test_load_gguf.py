@@ -10,7 +10,8 @@ import torch.nn as nn
 
 import quantize as q
 from kvcache import KVCache
-from load import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, fused_slot, load_model, part_rows, unpermute_qk
+from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, unpermute_qk
+from load import checkpoint_modules, load_model
 from tiny_models import greedy_ids, llama_cpp_permute, llama_gguf_writer
 
 BF16_U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits): |bf16(x) - x| <= 2^-8 |x|
@@ -103,12 +104,10 @@ def block_linears(model) -> dict[str, nn.Module]:
 
 def part_of(model, name: str) -> tuple[nn.Module, slice]:
     """(module, its rows) of the checkpoint linear `name` (e.g. layers.0.self_attn.k_proj) in the fused model."""
-    slot = fused_slot(name + ".weight")
-    if slot is None:
-        return model.get_submodule(name), slice(None)
-    fused_name, fused, i = slot
-    rows = part_rows(model.args, fused)
-    return model.get_submodule(fused_name.removesuffix(".weight")), slice(sum(rows[:i]), sum(rows[:i + 1]))
+    module_name, part = checkpoint_modules(model)[name]
+    module = model.get_submodule(module_name)
+    start, n = module.part_rows(part)
+    return module, slice(start, start + n)
 
 
 def part_weight(model, name: str) -> torch.Tensor:
@@ -381,7 +380,7 @@ def test_smollm2_native_vs_exact_float(smollm2_native_and_exact, smollm2_gguf, s
     """Teacher-forced KL(exact float32 || native int4) over 64 tokens of Pride and Prejudice, and top-1
     agreement; split into what the bf16 scale/zero costs (two float models: codes with the file's fp32 d, m vs
     with bf16-rounded ones) and what the kernel's bf16 activations add."""
-    from load import gguf_int4
+    from gguffile import int4_blocks
     from quality import compare, load_eval_tokens, teacher_forced_logprobs
     import gguf
 
@@ -406,7 +405,7 @@ def test_smollm2_native_vs_exact_float(smollm2_native_and_exact, smollm2_gguf, s
             continue
         name = f"layers.{parts[1]}.{GGUF_BLOCK_NAMES[parts[2]]}"
         shape = tuple(reversed(t.shape.tolist()))
-        codes, d, zero = gguf_int4(t, shape)
+        codes, d, zero = int4_blocks(t, shape)
         if parts[2] in ("attn_q", "attn_k"):
             codes, d, zero = (unpermute_qk(x, n_heads if parts[2] == "attn_q" else n_kv) for x in (codes, d, zero))
         for model, cast in ((fp32_sz, torch.float32), (bf16_sz, torch.bfloat16)):

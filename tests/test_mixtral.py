@@ -18,7 +18,8 @@ from step import Step
 from engine import Engine, EngineConfig
 from helpers import ToyTokenizer
 from kvcache import KVCache
-from load import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, load_model
+from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
+from load import load_model
 from model import ModelArgs, MoE, Router
 from tiny_models import SEQ_LEN, greedy_ids, hf_to_ours, llama_cpp_permute, llama_gguf_writer, make_hf
 

@@ -5,7 +5,8 @@ import math
 import torch
 
 from decode import generate
-from load import hf_tensor_names, join_state
+from hffolder import tensor_names
+from load import load_state
 from model import ModelArgs, Transformer
 from sample import SamplingParams
 
@@ -48,13 +49,15 @@ def hf_to_ours(hf) -> Transformer:
     them as (E, rows, columns) tensors) are named per expert as load.py names them."""
     cfg = hf.config.to_dict()
     cfg["architectures"] = [type(hf).__name__]
-    model = Transformer(ModelArgs.from_hf_config(cfg)).eval()
+    with torch.device("meta"):
+        model = Transformer(ModelArgs.from_hf_config(cfg))
     state = {}
     for key, t in hf.state_dict().items():
-        for name, _, pick in hf_tensor_names(key, tuple(t.shape)):
-            state[name] = t if pick is None else t[pick[0], pick[1]:pick[1] + pick[2]]
-    model.load_state_dict(join_state(model, state), strict=True)
-    return model
+        for name, _, pick in tensor_names(key, tuple(t.shape)):
+            if name == "lm_head.weight" and model.args.tie_embeddings:
+                continue  # the embedding, as save_pretrained leaves it out of a checkpoint
+            state[name] = (t if pick is None else t[pick[0], pick[1]:pick[1] + pick[2]]).clone()  # not hf's memory
+    return load_state(model, state)
 
 
 def reference_attention(q, k, v, mask):
@@ -88,7 +91,7 @@ def greedy_ids(model: Transformer, prompt: list[int], n: int, params: SamplingPa
 # ---- writing tiny GGUF files (as llama.cpp's converter does) ----
 
 def llama_cpp_permute(w, n_heads: int):
-    """llama.cpp's converter for q/k rows (RoPE pairs (i, i + D/2) -> (2i, 2i + 1)); load.unpermute_qk undoes it.
+    """llama.cpp's converter for q/k rows (RoPE pairs (i, i + D/2) -> (2i, 2i + 1)); gguffile.unpermute_qk undoes it.
     w: a numpy (rows, columns) array."""
     rows, cols = w.shape
     return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)

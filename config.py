@@ -1,0 +1,199 @@
+"""The model's hyper-parameters (ModelArgs) and their mappings: from a Hugging Face config.json, from GGUF metadata,
+and back to a config.json (export.py writes one for a GGUF source). Every value is checked under the file's own name,
+so a bad checkpoint fails here, before any weight is read.
+"""
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+# Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
+ROPE_PARAMS = {"default": (), "linear": ("factor",),
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def positive_int(value, what: str) -> int:
+    """value if it is an integer >= 1 (JSON's true is not one), else a ValueError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def positive_number(value, what: str) -> float:
+    """value if it is a finite number > 0, else a ValueError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{what} must be a positive number, got {value!r}")
+    return value
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    hidden_dim: int  # width of the SwiGLU MLP (Mixtral: of each expert)
+    n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
+    head_dim: int | None = None  # None: dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", ...} as in HF config.json
+    rope_freq_factors: tuple[float, ...] | None = None  # GGUF `rope_freqs`: inv_freq is divided by these
+    max_seq_len: int = 4096  # the model's context length
+    sliding_window: int | None = None  # Mistral: a query sees only the last `sliding_window` keys
+    tie_embeddings: bool = False
+    n_experts: int | None = None  # Mixtral: a sparse mixture of SwiGLU experts per layer; None: one dense MLP
+    n_experts_per_token: int = 2  # Mixtral: experts each token is routed to (top-k)
+
+    def __post_init__(self):
+        """The checks every source (config.json, GGUF metadata) needs: what would otherwise fail later, inside
+        the forward or the RoPE tables. The loaders check each value's type first, under the file's own names."""
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads  # rounded down, as transformers does (the weights' shapes tell)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} "
+                             "key/value heads")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim {self.head_dim} is odd; rotary embeddings rotate pairs of dimensions")
+        scaling = self.rope_scaling or {}
+        rope_type = scaling.get("rope_type", "default")
+        if not isinstance(rope_type, str) or rope_type not in ROPE_PARAMS:
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_PARAMS)}")
+        missing = [key for key in ROPE_PARAMS[rope_type] if key not in scaling]
+        if missing:
+            raise ValueError(f"rope type {rope_type!r} needs rope_scaling {', '.join(missing)}")
+        for key in ROPE_PARAMS[rope_type]:
+            positive_number(scaling[key], f"rope_scaling {key}")
+        if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+            raise ValueError(f"rope_scaling high_freq_factor {scaling['high_freq_factor']} must be greater than "
+                             f"low_freq_factor {scaling['low_freq_factor']} (llama3 rope divides by their difference)")
+        if self.n_experts is not None and not 1 <= self.n_experts_per_token <= self.n_experts:
+            raise ValueError(f"{self.n_experts_per_token} experts per token is not within 1..{self.n_experts} experts")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        """Fill from a Hugging Face config.json (LlamaForCausalLM, MistralForCausalLM or MixtralForCausalLM).
+        A missing key or a value of the wrong type is a ValueError naming the key."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json must hold a JSON object, not a {type(cfg).__name__}")
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        if not isinstance(archs, list):
+            raise ValueError(f"config.json architectures must be a list, got {archs!r}")
+        if archs[0] not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(ARCHITECTURES)}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; supported: 'silu'")
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise ValueError("unsupported config: attention_bias/mlp_bias must be false")
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "intermediate_size") if cfg.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json has no {', '.join(missing)}")
+
+        def size(key: str, default: int | None = None) -> int | None:
+            value = cfg.get(key)
+            value = default if value is None else value  # unset or null: the default (None: not used)
+            return None if value is None else positive_int(value, f"config.json {key}")
+
+        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older ones `rope_scaling` + `rope_theta`.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json rope_scaling must be an object, got {rope!r}")
+        rope = dict(rope)
+        rope_theta = positive_number(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)), "config.json rope_theta")
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        tie = cfg.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise ValueError(f"config.json tie_word_embeddings must be true or false, got {tie!r}")
+        moe = archs[0] == "MixtralForCausalLM"
+        return cls(
+            vocab_size=size("vocab_size"),
+            dim=size("hidden_size"),
+            n_layers=size("num_hidden_layers"),
+            n_heads=size("num_attention_heads"),
+            hidden_dim=size("intermediate_size"),
+            n_kv_heads=size("num_key_value_heads"),
+            head_dim=size("head_dim"),
+            norm_eps=positive_number(cfg.get("rms_norm_eps", 1e-6), "config.json rms_norm_eps"),
+            rope_theta=rope_theta,
+            rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
+            max_seq_len=size("max_position_embeddings", 4096),
+            sliding_window=size("sliding_window") if archs[0] != "LlamaForCausalLM" else None,
+            tie_embeddings=tie,
+            n_experts=size("num_local_experts", 8) if moe else None,
+            n_experts_per_token=size("num_experts_per_tok", 2) if moe else 2,
+        )
+
+    @classmethod
+    def from_gguf(cls, meta: dict, tensor_names: Collection[str]) -> "ModelArgs":
+        """Fill from GGUF metadata (llama architecture only) and the file's tensor names; a missing or mistyped key
+        is a ValueError naming it. rope_freq_factors (a Llama 3.1 file's `rope_freqs` tensor) is the loader's."""
+        arch = meta.get("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
+        missing = [k for k in ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")
+                   if f"llama.{k}" not in meta]
+        if "llama.vocab_size" not in meta and "tokenizer.ggml.tokens" not in meta:
+            missing.append("vocab_size")
+        if missing:
+            raise ValueError(f"GGUF metadata has no {', '.join('llama.' + k for k in missing)}")
+
+        def size(key: str, default: int | None = None) -> int:
+            return positive_int(meta.get(f"llama.{key}", default), f"GGUF metadata llama.{key}")
+
+        def number(key: str, default: float) -> float:
+            return positive_number(meta.get(f"llama.{key}", default), f"GGUF metadata llama.{key}")
+
+        scaling_type = meta.get("llama.rope.scaling.type", "none")
+        if scaling_type not in ("none", "linear"):
+            raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear'")
+        rope_scaling = None
+        if scaling_type == "linear":
+            rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
+        n_heads = size("attention.head_count")
+        n_experts = size("expert_count") if meta.get("llama.expert_count", 0) != 0 else None  # Mixtral: > 0
+        args = cls(
+            vocab_size=size("vocab_size", len(meta.get("tokenizer.ggml.tokens", ()))),
+            dim=size("embedding_length"),
+            n_layers=size("block_count"),
+            n_heads=n_heads,
+            hidden_dim=size("feed_forward_length"),
+            n_kv_heads=size("attention.head_count_kv", n_heads),
+            head_dim=size("attention.key_length") if "llama.attention.key_length" in meta else None,
+            norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=number("rope.freq_base", 10000.0),
+            rope_scaling=rope_scaling,
+            max_seq_len=size("context_length", 4096),
+            tie_embeddings="output.weight" not in tensor_names,  # llama.cpp drops the head of tied models
+            n_experts=n_experts,
+            n_experts_per_token=size("expert_used_count", 2) if n_experts else 2,
+        )
+        if meta.get("llama.rope.dimension_count", args.head_dim) != args.head_dim:
+            raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")
+        return args
+
+    def to_hf_config(self) -> dict:
+        """A Hugging Face LlamaForCausalLM (or MixtralForCausalLM) config.json that from_hf_config reads back as
+        these args (export.py writes it for a GGUF source)."""
+        if self.rope_freq_factors is not None:
+            raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
+                             "cannot express; save from the Hugging Face checkpoint instead")
+        if self.sliding_window is not None:
+            raise ValueError("sliding-window models are saved from their Hugging Face folder, not from GGUF")
+        moe = self.n_experts is not None
+        cfg = {
+            "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"], "model_type": "mixtral" if moe
+            else "llama", "vocab_size": self.vocab_size,
+            "hidden_size": self.dim, "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim, "intermediate_size": self.hidden_dim,
+            "hidden_act": "silu", "rms_norm_eps": self.norm_eps, "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_seq_len, "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": False, "mlp_bias": False,
+        }
+        if self.rope_scaling:
+            cfg["rope_scaling"] = dict(self.rope_scaling)
+        if moe:
+            cfg.update(num_local_experts=self.n_experts, num_experts_per_tok=self.n_experts_per_token)
+        return cfg

@@ -62,7 +62,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from cli import DTYPES, default_model, pick_device, pick_dtype, run_cli
+from cli import DTYPES, THREADS_HELP, default_model, pick_device, pick_dtype, run_cli, set_threads
 from decode import fit_new_tokens
 from engine import Engine, EngineConfig, Event, QueueFull, Request
 from grammar import Compiler, Constraint, Grammar
@@ -1062,6 +1062,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="how a special token's name ('<|im_start|>') in a /v1/completions prompt is read: as that "
                    "token (default, as vLLM and llama.cpp's server do: the prompt may be a chat template written "
                    "out) or as text. Chat message content is always text, as in OpenAI's API")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
     return p.parse_args(argv)
 
@@ -1131,6 +1132,7 @@ def run(args: argparse.Namespace) -> None:
     from tokenizer import load_tokenizer
 
     check_flags(args)
+    set_threads(args.threads)
     check_port(args.host, args.port)  # before the model loads
     use_file_descriptors(args.max_connections)
     device = pick_device(args.device)

@@ -159,8 +159,8 @@ def run_once(model, step: Step, batch_size: int, prompt_len: int, new_tokens: in
     args = model.args
     prompts = torch.randint(0, args.vocab_size, (batch_size, prompt_len)).tolist()
     greedy = SamplingParams(temperature=0)  # no stop ids: every run generates new_tokens
-    tokens = generate(model, prompts[0], new_tokens, greedy, step=step) if batch_size == 1 else \
-        generate_batch(model, prompts, new_tokens, greedy, step=step)
+    tokens = generate(model, prompts[0], max_new_tokens=new_tokens, params=greedy, step=step) if batch_size == 1 \
+        else generate_batch(model, prompts, max_new_tokens=new_tokens, params=greedy, step=step)
     sync(device)
     t0 = time.perf_counter()
     next(tokens)
@@ -200,7 +200,7 @@ def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs
 
 @torch.inference_mode()
 def mask_cost(grammar, vocab_size: int, batch_size: int, steps: int, device) -> dict:
-    """Seconds per decode step that structured output adds: the masks of batch_size rows (decode.sample_tokens: one
+    """Seconds per decode step that structured output adds: the masks of batch_size rows (sample.sample_tokens: one
     call for the batch; the engine: one per row) and the matchers taking their tokens. The rows walk the grammar
     along one path of random allowed tokens (seeded), starting over when it is complete."""
     from grammar import advance, mask_logits

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from decode import Token, end_reason, penalty_state, sample_tokens
+from decode import end_reason
 from grammar import Grammar, Matcher
 from model import Transformer
-from sample import SamplingParams
+from sample import SamplingParams, Token, penalty_state, sample_tokens
 from scheduler import Scheduler, Seq
 from text import TextStream, finish_reason, push_token
 
@@ -58,7 +58,7 @@ class Request:
     n: int = 1  # choices returned
     best_of: int | None = None  # sequences sampled (>= n, default n); the n with the highest cumulative logprob
     # of their sampled tokens are returned
-    logprobs: int | None = None  # with it, Event.tokens gives a decode.Token (id, logprob, top N) per token_id
+    logprobs: int | None = None  # with it, Event.tokens gives a sample.Token (id, logprob, top N) per token_id
     prompt_logprobs: int | None = None  # with it, each choice's first event has Event.prompt_logprobs
 
 
@@ -118,7 +118,7 @@ class Choice(Seq):
     index: int
     text: TextStream
     generator: torch.Generator
-    seen: torch.Tensor | None  # penalty state, as decode.sample_tokens keeps it
+    seen: torch.Tensor | None  # penalty state, as sample.sample_tokens keeps it
     generated: torch.Tensor | None
     matcher: Matcher | None
     logprob: float = 0.0  # cumulative, of the sampled tokens (ranks best_of)
@@ -203,14 +203,17 @@ class Outputs:
         logprobs = 0 if request.logprobs is None and choice.group.holds else request.logprobs  # ranking needs them
         try:
             _, (token,) = sample_tokens(logits, request.params, choice.generator, choice.seen, choice.generated,
-                                        logprobs, None if choice.matcher is None else [choice.matcher])
+                                        logprobs, None if choice.matcher is None else [choice.matcher],
+                                        n_generated=[len(choice.tokens) - choice.n_prompt],
+                                        stop_ids=self.tokenizer.eos_ids)
         except Exception as e:  # this request fails alone
             self.fail(choice, e)
             return
         choice.tokens.append(token.id)
         choice.logprob += token.logprob or 0.0
         token.end = end_reason(token.id, len(choice.tokens) - choice.n_prompt, len(choice.tokens),
-                               request.max_tokens, self.model.args.max_seq_len, self.tokenizer.eos_ids, choice.matcher)
+                               request.max_tokens, self.model.args.max_seq_len, self.tokenizer.eos_ids, choice.matcher,
+                               ignore_eos=request.params.ignore_eos)
         piece = push_token(choice.text, token)
         reason = finish_reason(token.end, choice.text)
         if reason is None:

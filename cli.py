@@ -1,5 +1,6 @@
 """What the command-line entry points share (generate.py, serve.py, bench.py, export.py, quality.py, loadtest.py):
-the default model, device and dtype choice, input checks, and one `error:` line instead of a traceback."""
+the default model, device and dtype choice, input checks, text from a file or stdin, --threads and --version, and
+one `error:` line instead of a traceback."""
 import importlib.util
 import os
 import sys
@@ -9,6 +10,8 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FALLBACK_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+VERSION = "0.1.0"  # the runtime's version, as --version prints it
+THREADS_HELP = "CPU threads torch computes with (torch.set_num_threads; default: torch's, one per core)"
 
 
 def default_model() -> str:
@@ -74,6 +77,52 @@ def check_text(flag: str, text: str | None) -> None:
 def check_seed(seed: int | None) -> None:
     if seed is not None and not -2**63 <= seed < 2**64:
         raise ValueError(f"--seed must be in [-2**63, 2**64), got {seed}")
+
+
+def version_line() -> str:
+    """What --version prints: this runtime's version and the torch it runs on."""
+    return f"tinyllm {VERSION} (torch {torch.__version__})"
+
+
+def set_threads(n: int | None) -> None:
+    """--threads: the CPU threads torch computes with; None leaves torch's default."""
+    if n is None:
+        return
+    if n < 1:
+        raise ValueError(f"--threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+
+
+def read_text_file(path: str, what: str) -> str:
+    """The UTF-8 text of file `path`; FileNotFoundError or ValueError naming `what` ("prompts file") otherwise."""
+    if os.path.isdir(path):
+        raise ValueError(f"{what} {path!r} is a directory; expected a text file")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def stdin_piped() -> bool:
+    """stdin is open and not a terminal: text was piped or redirected to it."""
+    return sys.stdin is not None and not sys.stdin.closed and not sys.stdin.isatty()
+
+
+def read_stdin() -> str:
+    """All of stdin as text; a ValueError for bytes that are not UTF-8."""
+    if sys.stdin is None or sys.stdin.closed:
+        raise ValueError("the prompt is to be read from stdin, which is closed")
+    try:
+        text = sys.stdin.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"stdin is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    check_text("stdin", text)  # in the POSIX locale Python reads bad bytes as lone surrogates instead
+    return text
 
 
 def run_cli(command: Callable, args) -> int:

@@ -11,14 +11,13 @@ tensors: write to one again only inside inference mode.
 Shape legend: B rows, T tokens fed, V vocab.
 """
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from grammar import Grammar, Matcher, advance, mask_logits
+from grammar import Grammar, Matcher
 from kvcache import KVCache
 from model import Transformer
-from sample import SamplingParams, apply_penalties, sample, sampled_logprobs, token_counts
+from sample import SamplingParams, Token, check_logit_bias, penalty_state, sample_tokens
 from step import Step
 
 PAD_ID = 0  # feeds finished batch rows; its keys/values are never attended
@@ -30,23 +29,13 @@ def new_cache(model: Transformer, batch_size: int, max_seq_len: int, kv_dtype: s
     return KVCache.for_model(model.args, batch_size, max_seq_len, weight.dtype, weight.device, kv_dtype)
 
 
-@dataclass
-class Token:
-    """One generated token; with logprobs asked for, its log-probability and the top alternatives. The last token
-    of a generation carries why it ended (end_reason)."""
-    id: int
-    logprob: float | None = None  # under the distribution it was drawn from (sample.sampled_logprobs)
-    top: list[tuple[int, float]] | None = None  # up to N (id, logprob) of that distribution, most likely first
-    end: str | None = None  # "eos", "length" or "stop" (a grammar completed) on the last token, else None
-
-
 def end_reason(token: int, n_new: int, n_tokens: int, max_new_tokens: int, max_len: int,
-               stop_ids: Sequence[int], matcher: Matcher | None = None) -> str | None:
+               stop_ids: Sequence[int], matcher: Matcher | None = None, *, ignore_eos: bool = False) -> str | None:
     """Whether generation ends after `token`, the n_new-th generated token, making n_tokens in all: "eos" for a stop
-    id, "stop" when the sequence's grammar (matcher) is complete and only EOS could follow, "length" after
-    max_new_tokens or once the sequence fills max_len positions (the last token is never fed, so it needs no
-    position of its own), else None. The one rule of every loop (plain, batched, speculative, engine)."""
-    if token in stop_ids:
+    id (unless ignore_eos), "stop" when the sequence's grammar (matcher) is complete and only EOS could follow,
+    "length" after max_new_tokens or once the sequence fills max_len positions (the last token is never fed, so it
+    needs no position of its own), else None. The one rule of every loop (plain, batched, speculative, engine)."""
+    if token in stop_ids and not ignore_eos:
         return "eos"
     if matcher is not None and matcher.done:
         return "stop"
@@ -127,53 +116,11 @@ class Session:
         return common_prefix(self.tokens, prompt[:-1])
 
 
-def penalty_state(params: SamplingParams, prompts: Sequence[list[int]],
-                  model: Transformer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(seen (B, V) bool: prompt tokens, generated (B, V) zero counts) when penalties are on, else (None, None)."""
-    if not params.penalized:
-        return None, None
-    seen = token_counts(list(prompts), model.args.vocab_size, model.embed_tokens.weight.device) > 0
-    return seen, torch.zeros(seen.shape, device=seen.device)
-
-
-def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                  seen: torch.Tensor | None, generated: torch.Tensor | None,
-                  logprobs: int | None, matchers: Sequence[Matcher | None] | None = None
-                  ) -> tuple[torch.Tensor, list[Token]]:
-    """(B, V) logits -> (B,) next tokens: penalties, the grammar masks (a row's matcher, if any, sets the tokens its
-    grammar forbids to -inf, then takes the sampled token), then sample.sample; counts them into the penalty state
-    (seen, generated) in place. Also a Token per row, with the log-probabilities it was drawn from and the top
-    `logprobs` alternatives when logprobs is not None."""
-    if seen is not None:
-        logits = apply_penalties(logits, seen, generated, params)
-    if matchers is not None:
-        logits = mask_logits(logits, list(matchers))
-    tokens = sample(logits, params, generator)  # (B,)
-    if matchers is not None:
-        advance(list(matchers), tokens.tolist())
-    if seen is not None:  # the new tokens count for the next step's penalties
-        rows = torch.arange(len(tokens), device=tokens.device)
-        seen[rows, tokens] = True
-        generated[rows, tokens] += 1
-    if logprobs is None:
-        return tokens, [Token(t) for t in tokens.tolist()]
-    lp = sampled_logprobs(logits, params)  # (B, V)
-    chosen = lp.gather(-1, tokens[:, None])[:, 0].tolist()  # (B,)
-    top_lp, top_ids = lp.topk(min(logprobs, lp.shape[-1]), dim=-1)  # (B, N)
-    out = []
-    for b, token in enumerate(tokens.tolist()):
-        # Tokens that top-k/top-p/min-p removed have probability 0: they are no alternative. Among equal
-        # log-probabilities the chosen token goes first (topk orders ties arbitrarily; argmax takes the first).
-        top = [(i, v) for i, v in zip(top_ids[b].tolist(), top_lp[b].tolist()) if v > float("-inf")]
-        top.sort(key=lambda iv: (-iv[1], iv[0] != token))
-        out.append(Token(token, chosen[b], top))
-    return tokens, out
-
-
 @torch.inference_mode()
 def generate(
     model: Transformer,
     prompt: list[int],
+    *,
     max_new_tokens: int,
     params: SamplingParams = SamplingParams(),
     generator: torch.Generator | None = None,
@@ -198,6 +145,7 @@ def generate(
         max_seq = cache.max_seq_len
         # Slots past the reused prefix are stale; each is rewritten before any query at or after it reads it.
         start = session.reusable(prompt)
+    check_logit_bias(params.logit_bias, model.args.vocab_size)
     device = model.embed_tokens.weight.device
     step = check_step(step, model)
     seen, generated = penalty_state(params, [prompt], model)
@@ -210,8 +158,10 @@ def generate(
     pos = len(prompt)  # where the next sampled token is fed
     for n_new in range(1, max_new_tokens + 1):
         token, (out,) = sample_tokens(logits, params, generator, seen, generated, logprobs,
-                                      None if matcher is None else [matcher])  # (1,)
-        out.end = end_reason(out.id, n_new, pos + 1, max_new_tokens, max_seq, stop_ids, matcher)
+                                      None if matcher is None else [matcher], n_generated=[n_new - 1],
+                                      stop_ids=stop_ids)  # (1,)
+        out.end = end_reason(out.id, n_new, pos + 1, max_new_tokens, max_seq, stop_ids, matcher,
+                             ignore_eos=params.ignore_eos)
         yield out
         if out.end:
             return
@@ -225,6 +175,7 @@ def generate(
 def generate_batch(
     model: Transformer,
     prompts: list[list[int]],
+    *,
     max_new_tokens: int,
     params: SamplingParams = SamplingParams(),
     generator: torch.Generator | None = None,
@@ -241,6 +192,7 @@ def generate_batch(
     context = model.args.max_seq_len
     for prompt in prompts:
         check_request(prompt, max_new_tokens, context)
+    check_logit_bias(params.logit_bias, model.args.vocab_size)
     device = model.embed_tokens.weight.device
     step = check_step(step, model)
     B, lengths = len(prompts), [len(p) for p in prompts]
@@ -267,10 +219,11 @@ def generate_batch(
     for n_new in range(1, max_new_tokens + 1):
         # A row that ended has no grammar left to follow: its matcher is dropped.
         live = None if matchers is None else [None if d else m for d, m in zip(done, matchers)]
-        tokens, outs = sample_tokens(logits, params, generator, seen, generated, logprobs, live)  # (B,)
+        tokens, outs = sample_tokens(logits, params, generator, seen, generated, logprobs, live,
+                                     n_generated=[n_new - 1] * B, stop_ids=stop_ids)  # (B,)
         for b, (out, p) in enumerate(zip(outs, pos.tolist())):
             out.end = None if done[b] else end_reason(out.id, n_new, p + 1, max_new_tokens, limits[b], stop_ids,
-                                                      None if live is None else live[b])
+                                                      None if live is None else live[b], ignore_eos=params.ignore_eos)
         yield [None if finished else out for finished, out in zip(done, outs)]
         done = [finished or out.end is not None for finished, out in zip(done, outs)]
         if all(done):

@@ -28,11 +28,11 @@ from collections.abc import Sequence
 import torch
 
 from choices import Choice, Event, Outputs, Request, score_prompt
-from decode import Token, check_request, check_step
+from decode import check_request, check_step
 from grammar import Grammar
 from kvcache import BlockPool, PagedKVCache
 from model import Transformer
-from sample import SamplingParams
+from sample import SamplingParams, Token
 from scheduler import BlockManager, EngineConfig, Scheduler
 from step import Step
 from text import Completion, check_stop

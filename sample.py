@@ -1,17 +1,27 @@
-"""Next-token sampling: pure functions of logits and an explicit torch.Generator.
+"""Next-token sampling: pure functions of logits and an explicit torch.Generator, and sample_tokens, the one
+sampling step every loop (plain, batched, engine) calls.
 
-Order: penalties -> temperature -> top-k -> top-p -> min-p -> draw. Temperature 0 is greedy (argmax of the
-penalized logits), not a tiny float. Shape legend: B rows, V vocab.
+Order: penalties -> logit bias -> grammar masks -> min_tokens (stop ids held back) -> temperature -> top-k ->
+top-p -> min-p -> draw. Temperature 0 is greedy (argmax of the processed logits), not a tiny float.
+Shape legend: B rows, V vocab.
 """
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from grammar import Matcher, advance, mask_logits
+from model import Transformer
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 in effect bans a token, +100 in effect forces it
+
 
 def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float = 0.0,
                    repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                   frequency_penalty: float = 0.0) -> None:
+                   frequency_penalty: float = 0.0, logit_bias: Sequence[tuple[int, float]] = (),
+                   min_tokens: int = 0) -> None:
     """Raise a ValueError naming the first invalid sampling parameter."""
     if not 0 <= temperature < math.inf:  # also rejects NaN
         raise ValueError(f"temperature must be >= 0 and finite (0 means greedy), got {temperature}")
@@ -27,6 +37,28 @@ def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float = 
         raise ValueError(f"presence_penalty must be in [-2, 2] (0 disables it), got {presence_penalty}")
     if not -2 <= frequency_penalty <= 2:
         raise ValueError(f"frequency_penalty must be in [-2, 2] (0 disables it), got {frequency_penalty}")
+    check_logit_bias(logit_bias)
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise ValueError(f"min_tokens must be an integer >= 0 (0 disables it), got {min_tokens!r}")
+
+
+def check_logit_bias(logit_bias: Sequence[tuple[int, float]], vocab_size: int | None = None) -> None:
+    """Raise a ValueError for a logit_bias entry that is not (token id >= 0, bias in [-100, 100]), a token given twice,
+    or, with vocab_size (the width of the model's logits) known, a token id past the vocabulary."""
+    tokens = set()
+    for entry in logit_bias:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+            raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {entry!r}")
+        token, bias = entry
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias token ids must be integers >= 0, got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not abs(bias) <= MAX_LOGIT_BIAS:  # NaN too
+            raise ValueError(f"logit_bias of token {token} must be a number in [-100, 100], got {bias!r}")
+        if token in tokens:
+            raise ValueError(f"logit_bias gives token {token} twice")
+        if vocab_size is not None and token >= vocab_size:
+            raise ValueError(f"logit_bias token {token} is outside the vocabulary (ids 0 to {vocab_size - 1})")
+        tokens.add(token)
 
 
 @dataclass(frozen=True)
@@ -39,13 +71,19 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # TEMPORARY (branch sampling implements them)
-    min_tokens: int = 0
-    ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits (OpenAI)
+    min_tokens: int = 0  # the stop ids (EOS, end of turn) cannot be sampled before this many tokens (vLLM)
+    ignore_eos: bool = False  # a stop id does not end the generation: it is emitted and generation goes on (vLLM)
 
     def __post_init__(self):
+        if isinstance(self.logit_bias, dict):  # as OpenAI's requests write it: {token id: bias}
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
         check_sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
-                       self.presence_penalty, self.frequency_penalty)
+                       self.presence_penalty, self.frequency_penalty, self.logit_bias, self.min_tokens)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        # One order (by token id), whatever the caller's: equal biases compare and hash equal.
+        object.__setattr__(self, "logit_bias", tuple(sorted((token, float(bias)) for token, bias in self.logit_bias)))
 
     @property
     def penalized(self) -> bool:
@@ -79,6 +117,30 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.T
     if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
         logits = logits - params.presence_penalty * (generated > 0).float() - params.frequency_penalty * generated
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(B, V) logits -> (B, V) float logits with params.logit_bias added (a new tensor); ValueError for a token id
+    past V. Without a bias the logits are returned as they are."""
+    if not params.logit_bias:
+        return logits
+    check_logit_bias(params.logit_bias[-1:], logits.shape[-1])  # sorted by id: the last is the largest
+    ids = torch.tensor([token for token, _ in params.logit_bias], device=logits.device)  # (N,)
+    bias = torch.tensor([b for _, b in params.logit_bias], device=logits.device)  # (N,)
+    return logits.float().index_add(-1, ids, bias.expand(logits.shape[0], -1))  # (B, N) into (B, V)
+
+
+def hold_stop_ids(logits: torch.Tensor, params: SamplingParams, n_generated: Sequence[int],
+                  stop_ids: Sequence[int]) -> torch.Tensor:
+    """(B, V) logits -> (B, V) logits with the stop ids at -inf in the rows that generated fewer than
+    params.min_tokens tokens (n_generated, per row, before this one). A row that would have no token left keeps
+    them: its grammar is complete and allows only EOS, and the grammar wins (else nothing could be sampled)."""
+    if params.min_tokens == 0 or not stop_ids or all(n >= params.min_tokens for n in n_generated):
+        return logits
+    early = torch.tensor([n < params.min_tokens for n in n_generated], device=logits.device)[:, None]  # (B, 1)
+    held = logits.index_fill(-1, torch.tensor(list(stop_ids), device=logits.device), float("-inf"))  # (B, V)
+    left = (held > float("-inf")).any(dim=-1, keepdim=True)  # (B, 1)
+    return torch.where(early & left, held, logits)
 
 
 def logits_to_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -124,3 +186,62 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     return torch.multinomial(logits_to_probs(logits, params), 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class Token:
+    """One generated token; with logprobs asked for, its log-probability and the top alternatives. The last token
+    of a generation carries why it ended (decode.end_reason)."""
+    id: int
+    logprob: float | None = None  # under the distribution it was drawn from (sample.sampled_logprobs)
+    top: list[tuple[int, float]] | None = None  # up to N (id, logprob) of that distribution, most likely first
+    end: str | None = None  # "eos", "length" or "stop" (a grammar completed) on the last token, else None
+
+
+def penalty_state(params: SamplingParams, prompts: Sequence[list[int]],
+                  model: Transformer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(seen (B, V) bool: prompt tokens, generated (B, V) zero counts) when penalties are on, else (None, None)."""
+    if not params.penalized:
+        return None, None
+    seen = token_counts(list(prompts), model.args.vocab_size, model.embed_tokens.weight.device) > 0
+    return seen, torch.zeros(seen.shape, device=seen.device)
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                  seen: torch.Tensor | None, generated: torch.Tensor | None,
+                  logprobs: int | None, matchers: Sequence[Matcher | None] | None = None, *,
+                  n_generated: Sequence[int] | None = None, stop_ids: Sequence[int] = ()
+                  ) -> tuple[torch.Tensor, list[Token]]:
+    """(B, V) logits -> (B,) next tokens: penalties, logit bias, the grammar masks (a row's matcher, if any, sets the
+    tokens its grammar forbids to -inf, then takes the sampled token), min_tokens (hold_stop_ids: n_generated is
+    each row's count of tokens generated before this one), then sample.sample; counts them into the penalty state
+    (seen, generated) in place. Also a Token per row, with the log-probabilities it was drawn from and the top
+    `logprobs` alternatives when logprobs is not None."""
+    if seen is not None:
+        logits = apply_penalties(logits, seen, generated, params)
+    logits = apply_logit_bias(logits, params)
+    if matchers is not None:
+        logits = mask_logits(logits, list(matchers))
+    if params.min_tokens:
+        assert n_generated is not None and len(n_generated) == len(logits), "min_tokens needs n_generated per row"
+        logits = hold_stop_ids(logits, params, n_generated, stop_ids)
+    tokens = sample(logits, params, generator)  # (B,)
+    if matchers is not None:
+        advance(list(matchers), tokens.tolist())
+    if seen is not None:  # the new tokens count for the next step's penalties
+        rows = torch.arange(len(tokens), device=tokens.device)
+        seen[rows, tokens] = True
+        generated[rows, tokens] += 1
+    if logprobs is None:
+        return tokens, [Token(t) for t in tokens.tolist()]
+    lp = sampled_logprobs(logits, params)  # (B, V)
+    chosen = lp.gather(-1, tokens[:, None])[:, 0].tolist()  # (B,)
+    top_lp, top_ids = lp.topk(min(logprobs, lp.shape[-1]), dim=-1)  # (B, N)
+    out = []
+    for b, token in enumerate(tokens.tolist()):
+        # Tokens that top-k/top-p/min-p removed have probability 0: they are no alternative. Among equal
+        # log-probabilities the chosen token goes first (topk orders ties arbitrarily; argmax takes the first).
+        top = [(i, v) for i, v in zip(top_ids[b].tolist(), top_lp[b].tolist()) if v > float("-inf")]
+        top.sort(key=lambda iv: (-iv[1], iv[0] != token))
+        out.append(Token(token, chosen[b], top))
+    return tokens, out

@@ -56,7 +56,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from cli import DTYPES, default_model, pick_device, pick_dtype, run_cli
+from cli import DTYPES, THREADS_HELP, default_model, pick_device, pick_dtype, run_cli, set_threads
 from engine import Engine, EngineConfig, Event, QueueFull, Request
 from gate import (BACKLOG, LOCAL_HOSTS, Connections, Gate, GuardedH11Protocol, QuietLoopErrors, ServeConfig, error,
                   use_file_descriptors)
@@ -537,6 +537,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
                    help="the syntax the model writes tool calls in (default: recognised from its chat template, else "
                    "hermes; see README, Tool calling)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
     return p.parse_args(argv)
 
@@ -610,6 +611,7 @@ def run(args: argparse.Namespace) -> None:
     from tokenizer import load_tokenizer
 
     check_flags(args)
+    set_threads(args.threads)
     check_port(args.host, args.port)  # before the model loads
     use_file_descriptors(args.max_connections)
     device = pick_device(args.device)

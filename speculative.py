@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode import Token, check_request, check_step, common_prefix, end_reason, new_cache
+from decode import check_request, check_step, common_prefix, end_reason, new_cache
 from model import Transformer
-from sample import SamplingParams, logits_to_probs, sample
+from sample import SamplingParams, Token, apply_logit_bias, check_logit_bias, hold_stop_ids, logits_to_probs, sample
 from step import Step
 
 
@@ -83,6 +83,7 @@ class ModelDraft:
         tokens, qs = [], []
         for i in range(k):
             self.forwards += 1
+            logits = apply_logit_bias(logits, params)  # drafts the target's bias would forbid are drafts wasted
             if params.temperature == 0:
                 x = logits.argmax(dim=-1)  # (1,)
             else:
@@ -175,6 +176,7 @@ def generate(
     model: Transformer,
     draft: ModelDraft | PromptLookupDraft,
     prompt: list[int],
+    *,
     max_new_tokens: int,
     params: SamplingParams = SamplingParams(),
     generator: torch.Generator | None = None,
@@ -183,14 +185,15 @@ def generate(
     stats: SpecStats | None = None,
     step: Step | None = None,
 ) -> Iterator[Token]:
-    """Yield Tokens as decode.generate does (the same end rule, the same distribution; greedy output is
-    token-identical), drafting up to k tokens per target forward."""
+    """Yield Tokens as decode.generate does (the same end rule, the same distribution, logit bias and min_tokens
+    included; greedy output is token-identical), drafting up to k tokens per target forward."""
     if k < 1:
         raise ValueError(f"speculate k must be >= 1, got {k}")
     if params.penalized:
         raise ValueError("repetition/presence/frequency penalties are not supported with speculative decoding")
     context = model.args.max_seq_len
     check_request(prompt, max_new_tokens, context)
+    check_logit_bias(params.logit_bias, model.args.vocab_size)
     # As decode.generate: the cache holds prompt + generated tokens; the very last token is never fed.
     max_seq = min(len(prompt) + max_new_tokens, context)
     limit = min(max_new_tokens, max_seq - len(prompt) + 1)  # tokens to generate
@@ -201,10 +204,15 @@ def generate(
     draft.start(max_seq)
     greedy = params.temperature == 0
 
+    def target_logits(logits: torch.Tensor, n_generated: int) -> torch.Tensor:
+        """(T, V) target logits, row i after n_generated + i generated tokens -> as sample_tokens processes them."""
+        return hold_stop_ids(apply_logit_bias(logits, params), params, range(n_generated, n_generated + len(logits)),
+                             stop_ids)
+
     logits = step(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device), cache)
-    first = Token(sample(logits, params, generator).item())
+    first = Token(sample(target_logits(logits, 0), params, generator).item())
     tokens = list(prompt) + [first.id]
-    first.end = end_reason(first.id, 1, len(tokens), max_new_tokens, max_seq, stop_ids)
+    first.end = end_reason(first.id, 1, len(tokens), max_new_tokens, max_seq, stop_ids, ignore_eos=params.ignore_eos)
     yield first
     if first.end:
         return
@@ -220,11 +228,12 @@ def generate(
         fed = torch.tensor([[tokens[-1]] + drafts], device=device)  # (1, k'+1)
         positions = torch.arange(pos, pos + kd + 1, device=device)
         logits = step(fed, positions, cache, all_logits=True)  # (1, k'+1, V)
+        logits = target_logits(logits[0], len(tokens) - len(prompt))  # (k'+1, V)
         draft_t = torch.tensor([drafts], dtype=torch.long, device=device)  # (1, k')
         if greedy:
-            n, nxt = verify_greedy(logits.argmax(dim=-1), draft_t)
+            n, nxt = verify_greedy(logits.argmax(dim=-1)[None], draft_t)
         else:
-            p = logits_to_probs(logits[0], params)[None]  # (1, k'+1, V)
+            p = logits_to_probs(logits, params)[None]  # (1, k'+1, V)
             if q is None:  # a deterministic proposal: q is one-hot on the drafted tokens
                 q = torch.nn.functional.one_hot(draft_t[0], p.shape[-1]).to(p.dtype)  # (k', V)
             n, nxt = verify(p, q[None], draft_t, generator)
@@ -239,7 +248,7 @@ def generate(
         for t in drafts[:n] + [nxt]:
             tokens.append(t)
             out = Token(t, end=end_reason(t, len(tokens) - len(prompt), len(tokens), max_new_tokens, max_seq,
-                                          stop_ids))
+                                          stop_ids, ignore_eos=params.ignore_eos))
             yield out
             if out.end:
                 return

@@ -32,15 +32,17 @@ def main(n_tokens: int, texts: list[str]) -> dict:
     prompts = [tokenizer.encode(t) for t in texts]
     runs = []
     for prompt in prompts:
-        run = {"plain": [t.id for t in generate(model, prompt, n_tokens, greedy, stop_ids=eos, step=step)]}
+        plain = generate(model, prompt, max_new_tokens=n_tokens, params=greedy, stop_ids=eos, step=step)
+        run = {"plain": [t.id for t in plain]}
         for k in (2, 4):
             for name, draft in (("lookup", speculative.PromptLookupDraft()),
                                 ("self-draft", speculative.ModelDraft(draft_model, model, draft_step))):
-                tokens = speculative.generate(model, draft, prompt, n_tokens, greedy, stop_ids=eos, k=k, step=step)
+                tokens = speculative.generate(model, draft, prompt, max_new_tokens=n_tokens, params=greedy,
+                                              stop_ids=eos, k=k, step=step)
                 run[f"{name} k={k}"] = [t.id for t in tokens]
         runs.append(run)
     rows = [[] for _ in prompts]
-    for tokens in generate_batch(model, prompts, n_tokens, greedy, stop_ids=eos, step=step):
+    for tokens in generate_batch(model, prompts, max_new_tokens=n_tokens, params=greedy, stop_ids=eos, step=step):
         for row, token in zip(rows, tokens):
             if token is not None:
                 row.append(token.id)

@@ -52,5 +52,5 @@ def complete_greedy(model, tokenizer, prompt: list[int], max_new_tokens: int, *,
     from text import complete
 
     prefilled = len(prompt) - (session.reusable(prompt) if session is not None else 0)
-    tokens = generate(model, prompt, max_new_tokens, stop_ids=tokenizer.eos_ids, session=session)
+    tokens = generate(model, prompt, max_new_tokens=max_new_tokens, stop_ids=tokenizer.eos_ids, session=session)
     return complete(tokens, tokenizer, len(prompt), prefilled, stop=stop, on_text=on_text)

@@ -72,3 +72,44 @@ def test_run_cli_exit_statuses(capsys):
     assert cli.run_cli(command(KeyboardInterrupt()), None) == 130
     with pytest.raises(RuntimeError, match="a bug"):  # anything else is a bug: its traceback is wanted
         cli.run_cli(command(RuntimeError("a bug")), None)
+
+
+def test_version_and_threads(monkeypatch):
+    assert cli.version_line() == f"tinyllm {cli.VERSION} (torch {torch.__version__})"
+    assert cli.VERSION.count(".") == 2
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)  # the tests' own thread count stays as it is
+    cli.set_threads(None)
+    cli.set_threads(4)
+    assert calls == [4]
+    for n in (0, -2):
+        with pytest.raises(ValueError, match=f"--threads must be >= 1, got {n}"):
+            cli.set_threads(n)
+
+
+def test_text_from_a_file_or_stdin(monkeypatch, tmp_path):
+    import io
+
+    path = tmp_path / "p.txt"
+    path.write_text("naïve\n")
+    assert cli.read_text_file(str(path), "prompt file") == "naïve\n"
+    with pytest.raises(FileNotFoundError, match="prompt file '.*nope.txt' does not exist"):
+        cli.read_text_file(str(tmp_path / "nope.txt"), "prompt file")
+    with pytest.raises(ValueError, match="is a directory; expected a text file"):
+        cli.read_text_file(str(tmp_path), "prompt file")
+    path.write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match=r"prompt file '.*' is not UTF-8 text \(unexpected end of data at byte 3\)"):
+        cli.read_text_file(str(path), "prompt file")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stdin, piped in ((io.StringIO("hi"), True), (Terminal(), False), (None, False)):
+        monkeypatch.setattr("sys.stdin", stdin)
+        assert cli.stdin_piped() == piped
+    monkeypatch.setattr("sys.stdin", io.StringIO("one\ntwo\n"))
+    assert cli.read_stdin() == "one\ntwo\n"
+    monkeypatch.setattr("sys.stdin", None)
+    with pytest.raises(ValueError, match="stdin, which is closed"):
+        cli.read_stdin()

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from decode import Session, common_prefix, end_reason, generate, generate_batch, new_cache, sample_tokens
+from decode import Session, common_prefix, end_reason, generate, generate_batch, new_cache
 from helpers import complete_greedy
-from sample import SamplingParams, apply_penalties, logits_to_logprobs, token_counts
+from sample import SamplingParams, apply_penalties, logits_to_logprobs, sample_tokens, token_counts
 from text import complete_batch
 from tiny_models import greedy_ids, greedy_uncached, last_logits
 
@@ -22,10 +22,10 @@ def test_greedy_matches_uncached_loop(tiny):
 
 
 def test_last_token_says_why_generation_ended(tiny):
-    tokens = list(generate(tiny, PROMPT, 12))
+    tokens = list(generate(tiny, PROMPT, max_new_tokens=12))
     assert len(tokens) == 12 and [t.end for t in tokens] == [None] * 11 + ["length"]
     stop = tokens[4].id
-    ended = list(generate(tiny, PROMPT, 12, stop_ids=[stop]))
+    ended = list(generate(tiny, PROMPT, max_new_tokens=12, stop_ids=[stop]))
     assert ended[-1].id == stop and ended[-1].end == "eos" and all(t.end is None for t in ended[:-1])
 
 
@@ -39,7 +39,7 @@ def test_stops_after_stop_id(tiny):
 def test_stops_at_context_limit(tiny):
     context = tiny.args.max_seq_len  # 256
     prompt = list(range(1, 151)) + list(range(1, 101))  # 250 tokens
-    tokens = list(generate(tiny, prompt, 100))
+    tokens = list(generate(tiny, prompt, max_new_tokens=100))
     got = [t.id for t in tokens]
     # The last position (context - 1) can be fed, so its logits give one more token: context - len + 1.
     assert len(got) == context - len(prompt) + 1 and tokens[-1].end == "length"
@@ -53,15 +53,17 @@ def test_end_reason():
     assert end_reason(3, 5, 10, 5, 100, stop_ids=[7]) == "length"  # max_new_tokens
     assert end_reason(3, 2, 100, 5, 100, stop_ids=()) is None  # token 100 can still be fed, at position 99
     assert end_reason(3, 2, 101, 5, 100, stop_ids=()) == "length"  # token 101 would need position 100: none left
+    assert end_reason(7, 1, 10, 5, 100, stop_ids=[7], ignore_eos=True) is None  # ignore_eos: a stop id goes on
+    assert end_reason(7, 5, 10, 5, 100, stop_ids=[7], ignore_eos=True) == "length"
 
 
 def test_bad_requests(tiny):
     with pytest.raises(ValueError, match="the prompt is 256 tokens, longer than the model's context of 255"):
-        list(generate(tiny, [1] * 256, 10))
+        list(generate(tiny, [1] * 256, max_new_tokens=10))
     with pytest.raises(ValueError, match="the prompt is empty"):
-        list(generate(tiny, [], 10))
+        list(generate(tiny, [], max_new_tokens=10))
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
-        list(generate(tiny, [1, 2], 0))
+        list(generate(tiny, [1, 2], max_new_tokens=0))
 
 
 def test_common_prefix():
@@ -79,7 +81,7 @@ def test_seeded_sampling_is_reproducible(tiny):
 
 
 def test_int8_kv_cache_generation_runs_to_the_end(tiny):
-    tokens = list(generate(tiny, PROMPT, 20, kv_dtype="int8"))
+    tokens = list(generate(tiny, PROMPT, max_new_tokens=20, kv_dtype="int8"))
     assert len(tokens) == 20 and tokens[-1].end == "length"
     assert new_cache(tiny, 1, 8, "int8").bytes_per_token < new_cache(tiny, 1, 8).bytes_per_token
 
@@ -128,8 +130,8 @@ def test_penalized_greedy_matches_uncached_reference(tiny):
 
 
 def test_logprobs_at_temperature_1_are_the_models_log_softmax(tiny):
-    tokens = list(generate(tiny, PROMPT, 20, SamplingParams(temperature=1.0), torch.Generator().manual_seed(1),
-                           logprobs=3))
+    tokens = list(generate(tiny, PROMPT, max_new_tokens=20, params=SamplingParams(temperature=1.0),
+                           generator=torch.Generator().manual_seed(1), logprobs=3))
     seq = list(PROMPT)
     for token in tokens:
         ref = torch.log_softmax(last_logits(tiny, seq), -1)
@@ -142,7 +144,8 @@ def test_logprobs_at_temperature_1_are_the_models_log_softmax(tiny):
 
 def test_logprobs_are_of_the_processed_distribution(tiny):
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9)
-    tokens = list(generate(tiny, PROMPT, 20, params, torch.Generator().manual_seed(2), logprobs=50))
+    tokens = list(generate(tiny, PROMPT, max_new_tokens=20, params=params, generator=torch.Generator().manual_seed(2),
+                           logprobs=50))
     seq = list(PROMPT)
     for token in tokens:
         ref = logits_to_logprobs(last_logits(tiny, seq)[None], params)[0]
@@ -155,7 +158,7 @@ def test_logprobs_are_of_the_processed_distribution(tiny):
 
 def test_greedy_logprobs_are_the_unfiltered_distribution(tiny):
     prompt = [5, 17, 42]
-    (token,) = generate(tiny, prompt, 1, SamplingParams(temperature=0.0, top_k=2), logprobs=4)
+    (token,) = generate(tiny, prompt, max_new_tokens=1, params=SamplingParams(temperature=0.0, top_k=2), logprobs=4)
     ref = torch.log_softmax(last_logits(tiny, prompt), -1)
     assert token.id == ref.argmax().item() and abs(token.logprob - ref.max().item()) <= 1e-5
     assert len(token.top) == 4
@@ -172,8 +175,82 @@ def test_greedy_token_leads_its_alternatives_on_a_tie():
 
 
 def test_no_logprobs_unless_asked(tiny):
-    token = next(generate(tiny, PROMPT, 3))
+    token = next(generate(tiny, PROMPT, max_new_tokens=3))
     assert token.logprob is None and token.top is None
+
+
+# ---- logit bias, min_tokens, ignore_eos in the loop ----
+
+def greedy_biased_uncached(model, prompt, n, bias: dict[int, float], min_tokens: int = 0, stop_ids=()):
+    """Greedy on an uncached forward with the bias added and the stop ids at -inf for the first min_tokens tokens,
+    ending after a stop id: the rule written out."""
+    seq = list(prompt)
+    for i in range(n):
+        logits = last_logits(model, seq).clone()
+        for token, b in bias.items():
+            logits[token] += b
+        if i < min_tokens:
+            logits[list(stop_ids)] = float("-inf")
+        seq.append(logits.argmax().item())
+        if seq[-1] in stop_ids:
+            break
+    return seq[len(prompt):]
+
+
+def test_logit_bias_bans_and_forces_in_greedy(tiny):
+    plain = greedy_ids(tiny, PROMPT, 20)
+    banned = plain[0]
+    got = greedy_ids(tiny, PROMPT, 20, SamplingParams(logit_bias=((banned, -100),)))
+    assert banned not in got and got == greedy_biased_uncached(tiny, PROMPT, 20, {banned: -100})
+    assert greedy_ids(tiny, PROMPT, 20, SamplingParams(logit_bias=((7, 100),))) == [7] * 20
+    mild = {plain[3]: 1.5, 11: -0.5, 140: 2.0}
+    got = greedy_ids(tiny, PROMPT, 20, SamplingParams(logit_bias=tuple(mild.items())))
+    assert got == greedy_biased_uncached(tiny, PROMPT, 20, mild) and got != plain
+
+
+def test_logit_bias_past_the_vocabulary_is_an_error(tiny):
+    with pytest.raises(ValueError, match=r"logit_bias token 160 is outside the vocabulary \(ids 0 to 159\)"):
+        next(generate(tiny, PROMPT, max_new_tokens=4, params=SamplingParams(logit_bias=((160, 1.0),))))
+    with pytest.raises(ValueError, match="logit_bias token 999 is outside the vocabulary"):
+        next(generate_batch(tiny, [PROMPT], max_new_tokens=4, params=SamplingParams(logit_bias=((999, 1.0),))))
+
+
+def test_min_tokens_delays_the_stop_ids(tiny):
+    """A bias toward the stop id makes greedy emit it at once; min_tokens holds it back for that many tokens,
+    then it comes (the bias still pulls), and generation ends there."""
+    stop = 9
+    eager = SamplingParams(logit_bias=((stop, 100),))
+    assert greedy_ids(tiny, PROMPT, 20, eager, stop_ids=[stop, 3]) == [stop]
+    held = SamplingParams(logit_bias=((stop, 100),), min_tokens=6)
+    tokens = list(generate(tiny, PROMPT, max_new_tokens=20, params=held, stop_ids=[stop, 3], logprobs=2))
+    assert [t.id for t in tokens] == greedy_biased_uncached(tiny, PROMPT, 20, {stop: 100}, 6, [stop, 3])
+    assert len(tokens) == 7 and tokens[-1].id == stop and tokens[-1].end == "eos"
+    assert not {t.id for t in tokens[:6]} & {stop, 3}  # every stop id held, not only the biased one
+    assert all(stop not in {i for i, _ in t.top} for t in tokens[:6])  # and not reported as an alternative
+    # max_new_tokens below min_tokens: it is simply length
+    assert [t.end for t in generate(tiny, PROMPT, max_new_tokens=4, params=held, stop_ids=[stop])][-1] == "length"
+
+
+def test_ignore_eos_runs_to_max_tokens(tiny):
+    stop = 9
+    params = SamplingParams(logit_bias=((stop, 100),), ignore_eos=True)
+    tokens = list(generate(tiny, PROMPT, max_new_tokens=8, params=params, stop_ids=[stop]))
+    assert [t.id for t in tokens] == [stop] * 8 and [t.end for t in tokens] == [None] * 7 + ["length"]
+    plain = greedy_ids(tiny, PROMPT, 12)
+    assert greedy_ids(tiny, PROMPT, 12, SamplingParams(ignore_eos=True), stop_ids=[plain[2]]) == plain
+
+
+def test_defaults_are_bitwise_unchanged(tiny):
+    """Sampled with logprobs, the new parameters at their defaults change nothing: the same tokens and the very
+    same log-probabilities as with none of them given."""
+    params = SamplingParams(temperature=0.9, top_k=40, repetition_penalty=1.2)
+    ref = list(generate(tiny, PROMPT, max_new_tokens=16, params=params, generator=torch.Generator().manual_seed(3),
+                        stop_ids=[4], logprobs=3))
+    same = SamplingParams(temperature=0.9, top_k=40, repetition_penalty=1.2, logit_bias=(), min_tokens=0,
+                          ignore_eos=False)
+    got = list(generate(tiny, PROMPT, max_new_tokens=16, params=same, generator=torch.Generator().manual_seed(3),
+                        stop_ids=[4], logprobs=3))
+    assert [(t.id, t.logprob, t.top, t.end) for t in got] == [(t.id, t.logprob, t.top, t.end) for t in ref]
 
 
 # ---- batched prompts vs one at a time ----
@@ -193,10 +270,10 @@ def test_batched_greedy_matches_one_at_a_time(tiny):
     g = torch.Generator().manual_seed(0)
     lengths = [3, 17, 9, 40, 250]  # the last one reaches the 256-token context before max_new_tokens
     prompts = [torch.randint(1, 160, (n,), generator=g).tolist() for n in lengths]
-    alone = [list(generate(tiny, p, 20)) for p in prompts]
+    alone = [list(generate(tiny, p, max_new_tokens=20)) for p in prompts]
     stop = alone[1][4].id  # ends row 1 early, and any other row that produces it
-    alone = [list(generate(tiny, p, 20, stop_ids=[stop])) for p in prompts]
-    rows = rows_of(generate_batch(tiny, prompts, 20, stop_ids=[stop]))
+    alone = [list(generate(tiny, p, max_new_tokens=20, stop_ids=[stop])) for p in prompts]
+    rows = rows_of(generate_batch(tiny, prompts, max_new_tokens=20, stop_ids=[stop]))
     assert [[t.id for t in r] for r in rows] == [[t.id for t in r] for r in alone]
     assert [[t.end for t in r] for r in rows] == [[t.end for t in r] for r in alone]  # and why each row ended
     assert len(alone[4]) == 256 - 250 + 1 and len(alone[1]) <= 5 and len({len(r) for r in alone}) >= 3
@@ -206,16 +283,26 @@ def test_batched_greedy_matches_one_at_a_time(tiny):
 def test_batched_penalties_and_logprobs_match_one_at_a_time(tiny):
     prompts = [[5, 5, 6], [9, 8, 7, 6, 5, 4, 3, 2, 1, 5, 5], [42] * 6]
     params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2)
-    alone = [list(generate(tiny, p, 12, params, logprobs=2)) for p in prompts]
-    rows = rows_of(generate_batch(tiny, prompts, 12, params, logprobs=2))
+    alone = [list(generate(tiny, p, max_new_tokens=12, params=params, logprobs=2)) for p in prompts]
+    rows = rows_of(generate_batch(tiny, prompts, max_new_tokens=12, params=params, logprobs=2))
     for got, ref in zip(rows, alone):
         assert [s.id for s in got] == [s.id for s in ref]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(got, ref)) <= 1e-5
 
 
+def test_batched_bias_min_tokens_ignore_eos_match_one_at_a_time(tiny):
+    prompts = [[5, 5, 6], [9, 8, 7, 6, 5, 4, 3, 2, 1, 5, 5], [42] * 6]
+    for params in (SamplingParams(logit_bias=((9, 12.0), (3, -100)), min_tokens=4),
+                   SamplingParams(logit_bias=((9, 100),), ignore_eos=True)):
+        alone = [[t.id for t in generate(tiny, p, max_new_tokens=10, params=params, stop_ids=[9])] for p in prompts]
+        rows = rows_of(generate_batch(tiny, prompts, max_new_tokens=10, params=params, stop_ids=[9]))
+        assert [[t.id for t in r] for r in rows] == alone
+        assert all(9 in r for r in alone)  # the bias made the stop id come, min_tokens or not
+
+
 def test_batch_rejects_no_prompts(tiny):
     with pytest.raises(ValueError, match="no prompts"):
-        next(generate_batch(tiny, [], 4))
+        next(generate_batch(tiny, [], max_new_tokens=4))
 
 
 @pytest.mark.slow
@@ -225,8 +312,8 @@ def test_batched_smollm2_matches_one_at_a_time(smollm2):
              "def fibonacci(n):", "List three colors:"]
     prompts = [tok.encode(t) for t in texts]
     assert len({len(p) for p in prompts}) == 4
-    batch = complete_batch(generate_batch(model, prompts, 16, stop_ids=tok.eos_ids), tok, [len(p) for p in prompts],
-                           stop=["\n\n"])
+    batch = complete_batch(generate_batch(model, prompts, max_new_tokens=16, stop_ids=tok.eos_ids), tok,
+                           [len(p) for p in prompts], stop=["\n\n"])
     for c, prompt in zip(batch, prompts):
         ref = complete_greedy(model, tok, prompt, 16, stop=["\n\n"])
         assert (c.tokens, c.text, c.finish_reason) == (ref.tokens, ref.text, ref.finish_reason)
@@ -255,8 +342,8 @@ def test_session_prefills_only_the_new_tokens(tiny):
 def test_session_cache_limit(tiny):
     session = Session(tiny, max_seq_len=16)
     with pytest.raises(ValueError, match="the prompt is 20 tokens, longer than the session's limit of 15"):
-        list(generate(tiny, list(range(1, 21)), 4, session=session))
-    tokens = list(generate(tiny, list(range(1, 11)), 40, session=session))
+        list(generate(tiny, list(range(1, 21)), max_new_tokens=4, session=session))
+    tokens = list(generate(tiny, list(range(1, 11)), max_new_tokens=40, session=session))
     assert len(tokens) == 16 - 10 + 1 and tokens[-1].end == "length"
 
 

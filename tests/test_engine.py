@@ -126,6 +126,28 @@ def test_stop_eos_and_max_tokens(model):
     assert c.finish_reason == "stop" and c.text == "".join(f"<{t}>" for t in full[:full.index(full[3])])
 
 
+def test_logit_bias_min_tokens_and_ignore_eos_as_decode_generate(model):
+    """A request's logit bias, min_tokens and ignore_eos act in the engine as in decode.generate, batched with
+    requests without them; a bias past the vocabulary fails that request alone."""
+    prompts = random_prompts([10, 23, 6], seed=8)
+    stop = 9
+    requests = [SamplingParams(logit_bias=((stop, 100),), min_tokens=5), SamplingParams(),
+                SamplingParams(logit_bias=((stop, 100),), ignore_eos=True)]
+    expected = [greedy_ids(model, p, 12, params, stop_ids=[stop]) for p, params in zip(prompts, requests)]
+    assert [len(e) for e in expected] == [6, len(expected[1]), 12]
+    eng = Engine(model, ToyTokenizer(eos_ids=[stop]), EngineConfig(block_size=4, num_blocks=60, max_running=4))
+    events = {}
+    for p, params in zip(prompts, requests):
+        eng.submit(Request(p, params, 12, on_event=lambda e: events.setdefault(e.request_id, []).append(e)))
+    eng.submit(Request(prompts[0], SamplingParams(logit_bias=((160, 1.0),)), 12,
+                       on_event=lambda e: events.setdefault(e.request_id, []).append(e)))
+    while eng.step():
+        pass
+    assert [[t for e in events[i] for t in e.token_ids] for i in range(3)] == expected
+    assert [events[i][-1].finish_reason for i in range(4)] == ["eos", events[1][-1].finish_reason, "length", "error"]
+    assert "logit_bias token 160 is outside the vocabulary" in events[3][-1].error
+
+
 def test_block_accounting_with_aborts(model):
     """120 requests of random lengths through a 40-block pool, a quarter aborted at random moments: afterwards
     no block is held, and free + cached blocks make up the whole pool."""
@@ -180,10 +202,10 @@ def test_a_failure_fails_only_its_request_and_the_engine_serves_on(model, monkey
     poisoned = SamplingParams(temperature=0.5)
     real_sample_tokens = choices_module.sample_tokens
 
-    def sample_tokens(logits, params, *args):
+    def sample_tokens(logits, params, *args, **kw):
         if params is poisoned:
             raise FloatingPointError("overflow in sampling")
-        return real_sample_tokens(logits, params, *args)
+        return real_sample_tokens(logits, params, *args, **kw)
 
     monkeypatch.setattr(choices_module, "sample_tokens", sample_tokens)
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60, max_running=4))
@@ -378,7 +400,8 @@ def test_abort_ends_every_choice(model):
 
 def test_generated_token_logprobs_are_decode_generates(model):
     prompt = random_prompts([11], seed=25)[0]
-    expected = list(decode.generate(model, prompt, 8, SAMPLED, torch.Generator().manual_seed(4), logprobs=3))
+    expected = list(decode.generate(model, prompt, max_new_tokens=8, params=SAMPLED,
+                                    generator=torch.Generator().manual_seed(4), logprobs=3))
     events = run(Engine(model, ToyTokenizer(), CONFIGS["roomy"]), Request(prompt, SAMPLED, 8, seed=4, logprobs=3))[0]
     tokens = [t for e in events for t in e.tokens]
     assert [t.id for t in tokens] == [t for e in events for t in e.token_ids] == [t.id for t in expected]

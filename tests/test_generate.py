@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import generate
-from decode import Token
 from helpers import ROOT, ToyTokenizer, child_env, run_py
-from sample import SamplingParams
+from sample import SamplingParams, Token
 from text import Completion
 from tiny_models import greedy_ids
 
@@ -40,6 +39,13 @@ def error_of(cli_error, argv: list[str]) -> str:
     (["--prompt", "hi", "--min-p", "2"], "min_p must be in [0, 1]"),
     (["--prompt", "hi", "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
     (["--prompt", "hi", "--frequency-penalty", "5"], "frequency_penalty must be in [-2, 2]"),
+    (["--prompt", "hi", "--logit-bias", "5"], "--logit-bias takes ID=BIAS (a token id and a number in [-100, 100]), "
+     "got '5'"),
+    (["--prompt", "hi", "--logit-bias", "x=1"], "--logit-bias takes ID=BIAS"),
+    (["--prompt", "hi", "--logit-bias", "5=200"], "logit_bias of token 5 must be a number in [-100, 100], got 200.0"),
+    (["--prompt", "hi", "--logit-bias=-3=1"], "logit_bias token ids must be integers >= 0, got -3"),
+    (["--prompt", "hi", "--logit-bias", "5=1", "--logit-bias", "5=-1"], "logit_bias gives token 5 twice"),
+    (["--prompt", "hi", "--min-tokens", "-1"], "min_tokens must be an integer >= 0"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--prompt", "hi", "--stop", ""], "stop strings must be non-empty, got ''"),
     (["--prompt", "hi", *["--stop", "x"] * 65], "stop takes at most 64 strings, got 65"),
@@ -52,8 +58,16 @@ def error_of(cli_error, argv: list[str]) -> str:
     (["--prompt", "hi", "--system", "terse"], "--system needs --chat"),
     (["--interactive"], "--interactive needs --chat"),
     (["--interactive", "--chat", "--prompts-file", "p.txt"], "--interactive reads turns from stdin"),
-    (["--prompts-file", "nope.txt", "--prompt", "hi"], "either --prompt or --prompts-file, not both"),
-    ([], "no prompt: pass --prompt TEXT, --prompts-file F, or --interactive with --chat"),
+    (["--prompts-file", "nope.txt", "--prompt", "hi"],
+     "pass one of --prompt, --prompt-file, --prompts-file; got --prompt and --prompts-file"),
+    (["-p", "hi", "-f", "p.txt"], "pass one of --prompt, --prompt-file, --prompts-file; got --prompt and "
+     "--prompt-file"),
+    ([], "no prompt: pass --prompt TEXT, --prompt-file F, --prompts-file F, or --interactive with --chat, or pipe the "
+     "prompt to stdin"),
+    (["--prompt", "-", "--interactive", "--chat"], "--prompt - reads the prompt from stdin, where --interactive reads"),
+    (["-f", "nope.txt"], "prompt file 'nope.txt' does not exist"),
+    (["-p", "hi", "--ctx-size", "1"], "--ctx-size must be >= 2 (a prompt token and a new one), got 1"),
+    (["-p", "hi", "--threads", "0"], "--threads must be >= 1, got 0"),
     (["--prompt", "hi", "--quantize", "int3"], "unknown quantization mode 'int3'"),
     (["--prompt", "hi", "--quantize", "int4:48"], "group size '48'"),
     (["--prompt", "hi", "--draft-quantize", "fp8"], "unknown quantization mode 'fp8'"),
@@ -79,8 +93,16 @@ def error_of(cli_error, argv: list[str]) -> str:
     (["--prompt", "hi", "--json-object", "--draft-quantize", "int4"],
      "structured output (--json-schema, --json-object, --regex, --grammar) is not supported with speculative"),
 ])
-def test_bad_flags_are_one_line_errors(cli_error, argv, fragment):
+def test_bad_flags_are_one_line_errors(cli_error, monkeypatch, argv, fragment):
+    monkeypatch.setattr("sys.stdin", Terminal())  # as a user types the command: stdin is the terminal
     assert fragment in error_of(cli_error, argv)
+
+
+class Terminal(io.StringIO):
+    """stdin as a terminal: nothing piped."""
+
+    def isatty(self) -> bool:
+        return True
 
 
 def test_tensor_parallel_flag_combinations(cli_error, monkeypatch):
@@ -96,6 +118,10 @@ def test_check_args_returns_the_sampling_parameters():
                                 "--min-p", "0.1", "--repetition-penalty", "1.1", "--presence-penalty", "0.2",
                                 "--frequency-penalty", "0.3"])
     assert generate.check_args(args) == SamplingParams(0.5, 7, 0.9, 0.1, 1.1, 0.2, 0.3)
+    args = generate.parse_args(["--prompt", "hi", "--temperature", "0", "--logit-bias", "12=-100", "--logit-bias",
+                                "3=2.5", "--min-tokens", "4", "--ignore-eos"])
+    assert generate.check_args(args) == SamplingParams(logit_bias=((3, 2.5), (12, -100.0)), min_tokens=4,
+                                                       ignore_eos=True)
     # one decode-step policy for every path: --compile goes with speculative decoding too
     for draft in (["--prompt-lookup"], ["--draft-quantize", "int4:32"], ["--draft-model", "m"]):
         args = generate.parse_args(["--prompt", "hi", "--compile-prefill", "--temperature", "0", *draft])
@@ -432,6 +458,160 @@ def test_a_failed_compile_is_reported_as_eager(capsys, monkeypatch, tiny_text_di
     assert generate.main(["--model", tiny_text_dir, "--prompt", "hi", "--max-new-tokens", "4", "--compile", "none",
                           "--dtype", "float32"]) == 0
     assert "| eager |" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_logit_bias_min_tokens_and_ignore_eos_flags(capsys, cli_error, tiny_text_dir):
+    """On the tiny folder (EOS is '</s>', id 2): a bias of 100 toward EOS ends at once, --min-tokens holds it
+    back, --ignore-eos runs to --max-new-tokens; a token id past the model's 160 is one error line."""
+    run = ["--model", tiny_text_dir, "--prompt", "hi", "--temperature", "0", "--compile", "none", "--dtype",
+           "float32", "--max-new-tokens", "8", "--json", "--quiet", "--logit-bias", "2=100"]
+    outs = []
+    for flags in ([], ["--min-tokens", "5"], ["--ignore-eos"]):
+        assert generate.main([*run, *flags]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert [(o["tokens"], o["finish_reason"]) for o in outs] == [([2], "eos"), (outs[1]["tokens"], "eos"),
+                                                                  ([2] * 8, "length")]
+    assert len(outs[1]["tokens"]) == 6 and outs[1]["tokens"][5] == 2 and 2 not in outs[1]["tokens"][:5]
+    assert error_of(cli_error, [*run, "--logit-bias", "160=1"]) == ("error: logit_bias token 160 is outside the "
+                                                                    "vocabulary (ids 0 to 159)")
+
+
+# ---- the habits of llama-cli and transformers users: short flags, prompt files and stdin, threads, context ----
+
+def tiny_run(tiny_text_dir, *flags: str) -> list[str]:
+    """generate.py's flags for a short greedy run on the tiny folder, one JSON object out."""
+    return ["--model", tiny_text_dir, "--temperature", "0", "--compile", "none", "--dtype", "float32", "--json",
+            "--quiet", *flags]
+
+
+def json_run(capsys, argv: list[str]) -> dict:
+    capsys.readouterr()
+    assert generate.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    del out["timings"]
+    return out
+
+
+def test_short_flags_and_version(capsys):
+    args = generate.parse_args(["-m", "M", "-p", "hi", "-n", "5"])
+    assert (args.model, args.prompt, args.max_new_tokens) == ("M", "hi", 5)
+    assert generate.parse_args(["-f", "p.txt"]).prompt_file == "p.txt"
+    with pytest.raises(SystemExit) as e:
+        generate.parse_args(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"tinyllm 0.1.0 (torch {torch.__version__})\n"
+
+
+def test_prompt_from_a_file_or_stdin(capsys, cli_error, monkeypatch, tmp_path, tiny_text_dir):
+    """-f FILE, --prompt - and text piped with no prompt are each --prompt TEXT (one trailing newline dropped)."""
+    run = tiny_run(tiny_text_dir, "-n", "6")
+    want = json_run(capsys, [*run, "-p", "hello\nworld"])
+    assert want["prompt_tokens"] == 11
+    for name, text in (("unix.txt", "hello\nworld\n"), ("plain.txt", "hello\nworld")):
+        (tmp_path / name).write_text(text)
+        assert json_run(capsys, [*run, "-f", str(tmp_path / name)]) == want
+    (tmp_path / "dos.txt").write_bytes(b"hello\r\nworld\r\n")
+    assert json_run(capsys, [*run, "--prompt-file", str(tmp_path / "dos.txt")]) == want  # universal newlines
+    for flags in (["--prompt", "-"], []):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hello\nworld\n"))
+        assert json_run(capsys, [*run, *flags]) == want
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert "no prompt: stdin is empty" in error_of(cli_error, run)
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    assert "prompt file" in error_of(cli_error, [*run, "-f", str(tmp_path / "latin1.txt")])
+    monkeypatch.setattr("sys.stdin", io.StringIO("caf\udce9"))  # a bad byte, as the POSIX locale reads it
+    assert "stdin is not valid UTF-8 text" in error_of(cli_error, [*run, "-p", "-"])
+
+
+@pytest.mark.slow
+def test_piped_stdin_is_the_prompt(tiny_text_dir):
+    """`echo hello | generate.py`: a real pipe (not a terminal) is read when no prompt is given."""
+    result = run_py("generate.py", *tiny_run(tiny_text_dir, "-n", "3"), input="hello\n")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["prompt_tokens"] == 5
+
+
+def test_threads(capsys, monkeypatch, tiny_text_dir):
+    import serve
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)  # the tests' own thread count stays as it is
+    json_run(capsys, tiny_run(tiny_text_dir, "-p", "hi", "-n", "2", "--threads", "3"))
+    assert calls == [3]
+    assert serve.parse_args(["--threads", "2"]).threads == 2 and serve.parse_args([]).threads is None
+
+
+def test_ctx_size_caps_the_context(capsys, cli_error, monkeypatch, tiny_text_dir):
+    """--ctx-size N: prompt and output fit in N tokens, and so does the KV cache; what does not fit is one line."""
+    import decode
+    import speculative
+
+    sizes = []
+    real_new_cache = decode.new_cache
+
+    def new_cache(model, batch_size, max_seq_len, kv_dtype="model"):
+        sizes.append(max_seq_len)
+        return real_new_cache(model, batch_size, max_seq_len, kv_dtype)
+
+    monkeypatch.setattr(decode, "new_cache", new_cache)
+    monkeypatch.setattr(speculative, "new_cache", new_cache)
+    run = tiny_run(tiny_text_dir, "--ignore-eos")
+    out = json_run(capsys, [*run, "-p", "hello", "--ctx-size", "16"])
+    assert out["prompt_tokens"] == 5 and len(out["tokens"]) == 11 and out["finish_reason"] == "length"
+    assert sizes == [16]  # the model's context is 256
+    assert error_of(cli_error, [*run, "-p", "hello", "--ctx-size", "16", "-n", "12"]) == (
+        "error: --max-new-tokens 12 does not fit: the context (--ctx-size) holds 16 tokens and the prompt takes 5, "
+        "so --max-new-tokens can be at most 11")
+    assert error_of(cli_error, [*run, "-p", "hello world", "--ctx-size", "8"]) == (
+        "error: the prompt is 11 tokens, longer than the context (--ctx-size) of 7")
+    assert error_of(cli_error, [*run, "-p", "hi", "--ctx-size", "300"]) == (
+        "error: --ctx-size 300 is larger than the model's context of 256")
+    sizes.clear()
+    json_run(capsys, [*run, "-p", "hello", "--ctx-size", "12", "--prompt-lookup"])
+    assert sizes == [12]
+
+
+@pytest.fixture()
+def configured_folder(tiny_text_dir, tmp_path):
+    """configured_folder(config) -> a copy of the tiny folder whose generation_config.json holds config."""
+    def make(config: dict) -> str:
+        folder = tmp_path / "configured"
+        if not folder.exists():
+            shutil.copytree(tiny_text_dir, folder)
+        (folder / "generation_config.json").write_text(json.dumps(config))
+        return str(folder)
+    return make
+
+
+def test_generation_config_sets_the_sampling_defaults(capsys, cli_error, configured_folder, smollm2_gguf):
+    """A Hugging Face folder's generation_config.json gives the defaults of the sampling flags not given; the flags
+    given win, and the summary line says what came from the file. A GGUF has none."""
+    from hffolder import GENERATION_SAMPLING
+
+    assert set(generate.SAMPLING_DEFAULTS) == set(GENERATION_SAMPLING)
+    folder = configured_folder({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": 2})
+    args = generate.parse_args(["-p", "hi"])
+    params, found = generate.checkpoint_sampling(args, generate.check_args(args), folder)
+    assert params == SamplingParams(temperature=0.6, top_p=0.9) and found == {"temperature": 0.6, "top_p": 0.9}
+    args = generate.parse_args(["-p", "hi", "--temperature", "0", "--top-k", "5"])
+    params, found = generate.checkpoint_sampling(args, generate.check_args(args), folder)
+    assert params == SamplingParams(temperature=0, top_k=5, top_p=0.9) and found == {"top_p": 0.9}
+    args = generate.parse_args(["-p", "hi"])
+    assert generate.checkpoint_sampling(args, generate.check_args(args), smollm2_gguf) == (
+        SamplingParams(temperature=0.8), {})
+    assert generate.main(["-m", folder, "-p", "hi", "-n", "3", "--compile", "none", "--dtype", "float32"]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert summary.endswith(" | sampling: generation_config.json (temperature 0.6, top_p 0.9)"), summary
+    assert generate.main(["-m", folder, "-p", "hi", "-n", "3", "--compile", "none", "--temperature", "0",
+                          "--top-p", "1"]) == 0
+    assert "generation_config" not in capsys.readouterr().err  # every value it has was given
+    for config, fragment in [({"top_p": 1.5}, "the model's generation_config.json: top_p must be in (0, 1]"),
+                             ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+                             ({"top_k": 2.5}, "top_k must be an integer, got 2.5"),
+                             ({"repetition_penalty": 1.1}, "generation_config.json sets repetition_penalty 1.1, "
+                              "which is not supported with speculative decoding; pass --repetition-penalty 1")]:
+        err = error_of(cli_error, ["-m", configured_folder(config), "-p", "hi", "--prompt-lookup"])
+        assert fragment in err, err
 
 
 def test_compile_flag_modes():

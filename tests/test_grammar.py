@@ -181,7 +181,8 @@ def test_a_grammar_failing_mid_generation_is_a_one_line_value_error(toy, compile
 
 def constrained(tiny, toy, grammar, prompt: str, n: int, params: SamplingParams, seed: int = 0, **kw):
     ids = toy.encode(prompt, bos=False)
-    tokens = generate(tiny, ids, n, params, torch.Generator().manual_seed(seed), toy.eos_ids, grammar=grammar, **kw)
+    tokens = generate(tiny, ids, max_new_tokens=n, params=params, generator=torch.Generator().manual_seed(seed),
+                      stop_ids=toy.eos_ids, grammar=grammar, **kw)
     return complete(tokens, toy, len(ids))
 
 
@@ -218,6 +219,23 @@ def test_schema_admitting_one_string_yields_exactly_it(tiny, toy, compiler):
         assert c.text == json.dumps(value) and c.finish_reason == "stop"  # ended when only EOS could follow
 
 
+def test_min_tokens_holds_eos_until_the_grammar_alone_ends_it(tiny, toy, compiler):
+    """min_tokens holds EOS back while the grammar allows more (a bias toward EOS would end at once), but a grammar
+    that is complete wins: no deadlock, however large min_tokens is."""
+    letters = compiler.compile(Constraint("regex", "[a-c]+"))
+    eos = toy.eos_ids[0]
+    c = constrained(tiny, toy, letters, "ab", 20, SamplingParams(logit_bias=((eos, 100),)))
+    assert len(c.text) == 1 and c.finish_reason == "eos"  # EOS as soon as the grammar allows it
+    c = constrained(tiny, toy, letters, "ab", 20, SamplingParams(logit_bias=((eos, 100),), min_tokens=6))
+    assert re.fullmatch("[a-c]{6}", c.text) and len(c.tokens) == 7 and c.finish_reason == "eos"
+    value = {"ok": True}
+    one = compiler.compile(Constraint("json_schema", json.dumps({"const": value})))
+    for params in (SamplingParams(min_tokens=50), SamplingParams(min_tokens=50, ignore_eos=True),
+                   SamplingParams(temperature=1.0, min_tokens=50, logit_bias=((eos, 100),))):
+        c = constrained(tiny, toy, one, "ab", 80, params)
+        assert c.text == json.dumps(value) and c.finish_reason == "stop"
+
+
 def test_length_mid_structure_keeps_the_text(tiny, toy, compiler):
     grammar = compiler.compile(Constraint("json_schema", json.dumps(PEOPLE)))
     c = constrained(tiny, toy, grammar, "ab", 5, SamplingParams(temperature=1.0))
@@ -237,8 +255,9 @@ def test_batch_rows_and_engine_sequences_have_their_own_matchers(tiny, toy, comp
     """Greedy: a batch, the engine and one prompt at a time give the same constrained outputs."""
     grammar = compiler.compile(Constraint("json_schema", json.dumps(PEOPLE)))
     prompts = [toy.encode(p, bos=False) for p in ["ab", "hello there", "x", "1 2 3 4 5"]]
-    alone = [[t.id for t in generate(tiny, p, 40, stop_ids=toy.eos_ids, grammar=grammar)] for p in prompts]
-    rows = generate_batch(tiny, prompts, 40, stop_ids=toy.eos_ids, grammar=grammar)
+    alone = [[t.id for t in generate(tiny, p, max_new_tokens=40, stop_ids=toy.eos_ids, grammar=grammar)]
+             for p in prompts]
+    rows = generate_batch(tiny, prompts, max_new_tokens=40, stop_ids=toy.eos_ids, grammar=grammar)
     batch = complete_batch(rows, toy, [len(p) for p in prompts])
     engine = Engine(tiny, toy, EngineConfig(num_blocks=64, max_running=4, token_budget=64))
     served = engine.generate(prompts, max_tokens=40, grammar=grammar)
@@ -261,8 +280,9 @@ def test_each_engine_choice_has_its_own_matcher(tiny, toy, compiler):
     while engine.step():
         pass
     for i in range(3):
-        alone = [t.id for t in generate(tiny, prompt, 40, params, torch.Generator().manual_seed(1 + i),
-                                        stop_ids=toy.eos_ids, grammar=grammar)]
+        alone = [t.id for t in generate(tiny, prompt, max_new_tokens=40, params=params,
+                                        generator=torch.Generator().manual_seed(1 + i), stop_ids=toy.eos_ids,
+                                        grammar=grammar)]
         assert [t for e in events if e.index == i for t in e.token_ids] == alone
         jsonschema.validate(json.loads("".join(e.text for e in events if e.index == i)), PEOPLE)
 
@@ -270,7 +290,7 @@ def test_each_engine_choice_has_its_own_matcher(tiny, toy, compiler):
 def test_unconstrained_generation_is_unchanged(tiny, toy, compiler):
     """A request without a grammar decodes as before, beside one with a grammar in the same engine batch."""
     prompt = toy.encode("hello", bos=False)
-    plain = [t.id for t in generate(tiny, prompt, 12, stop_ids=toy.eos_ids)]
+    plain = [t.id for t in generate(tiny, prompt, max_new_tokens=12, stop_ids=toy.eos_ids)]
     engine = Engine(tiny, toy, EngineConfig(num_blocks=64, max_running=4, token_budget=64))
     engine.submit(Request(prompt, max_tokens=12, grammar=compiler.compile(Constraint("json_object"))))
     (c,) = engine.generate([prompt], max_tokens=12)
@@ -320,8 +340,8 @@ def test_smollm2_30_prompts_validate_at_temperature_0_8(smollm2, schema):
     compiler = Compiler(tokenizer, model.args.vocab_size)
     grammar = compiler.compile(Constraint("json_schema", json.dumps(SCHEMAS[schema])))
     prompts = chat_prompts(tokenizer, " Answer in JSON.")
-    rows = generate_batch(model, prompts, 72, SamplingParams(temperature=0.8), torch.Generator().manual_seed(schema),
-                          tokenizer.eos_ids, grammar=grammar)
+    rows = generate_batch(model, prompts, max_new_tokens=72, params=SamplingParams(temperature=0.8),
+                          generator=torch.Generator().manual_seed(schema), stop_ids=tokenizer.eos_ids, grammar=grammar)
     for c in complete_batch(rows, tokenizer, [len(p) for p in prompts]):
         assert c.finish_reason in ("stop", "eos"), c.text
         jsonschema.validate(json.loads(c.text), SCHEMAS[schema])
@@ -336,12 +356,14 @@ def test_smollm2_regex_grammar_and_one_string(smollm2):
     for constraint, check in [(Constraint("regex", pattern), lambda t: re.fullmatch(pattern, t)),
                               (Constraint("grammar", ARITHMETIC_BOUNDED),
                                lambda t: re.fullmatch(r"[0-9()+\-*/ ]+", t) and compile(t, "<expr>", "eval"))]:
-        rows = generate_batch(model, prompts, 40, SamplingParams(temperature=0.8), torch.Generator().manual_seed(0),
-                              tokenizer.eos_ids, grammar=compiler.compile(constraint))
+        rows = generate_batch(model, prompts, max_new_tokens=40, params=SamplingParams(temperature=0.8),
+                              generator=torch.Generator().manual_seed(0), stop_ids=tokenizer.eos_ids,
+                              grammar=compiler.compile(constraint))
         for c in complete_batch(rows, tokenizer, [len(p) for p in prompts]):
             assert c.finish_reason in ("stop", "eos") and check(c.text), c.text
     value = {"answer": "Paris", "sure": True}
     grammar = compiler.compile(Constraint("json_schema", json.dumps({"const": value})))
-    c = complete(generate(model, prompts[0], 40, SamplingParams(temperature=0.8), torch.Generator().manual_seed(0),
-                          tokenizer.eos_ids, grammar=grammar), tokenizer, len(prompts[0]))
+    c = complete(generate(model, prompts[0], max_new_tokens=40, params=SamplingParams(temperature=0.8),
+                          generator=torch.Generator().manual_seed(0), stop_ids=tokenizer.eos_ids, grammar=grammar),
+                 tokenizer, len(prompts[0]))
     assert c.text == json.dumps(value) and c.finish_reason == "stop"

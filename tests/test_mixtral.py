@@ -277,7 +277,7 @@ def test_speculative_greedy_matches_plain_greedy(ours):
               "moe-draft": ModelDraft(hf_to_ours(make_hf("mixtral-8x2", seed=1)), ours),
               "lookup": PromptLookupDraft()}
     for name, draft in drafts.items():
-        assert [t.id for t in speculative.generate(ours, draft, PROMPT, 32, k=4)] == want, name
+        assert [t.id for t in speculative.generate(ours, draft, PROMPT, max_new_tokens=32, k=4)] == want, name
 
 
 def test_compile_refused_in_one_line(ours):

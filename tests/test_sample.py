@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from sample import (SamplingParams, apply_penalties, check_sampling, logits_to_probs, sample, sampled_logprobs,
-                    token_counts)
+from sample import (SamplingParams, apply_logit_bias, apply_penalties, check_logit_bias, check_sampling,
+                    hold_stop_ids, logits_to_probs, sample, sampled_logprobs, token_counts)
 
 PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
 LOGITS = PROBS.log()
@@ -160,3 +160,65 @@ def test_every_accepted_value_samples_a_valid_token(kwargs):
     assert probs[torch.arange(2), tokens].gt(0).all()
     if params.temperature < 1e-30 or params.top_p < 1e-30:  # greedy in effect: the most likely token
         assert tokens.tolist() == penalized.argmax(-1).tolist()
+
+
+# Logit bias, min_tokens and ignore_eos (OpenAI's logit_bias, vLLM's min_tokens and ignore_eos).
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(logit_bias=((5, 100.5),)), r"logit_bias of token 5 must be a number in \[-100, 100\], got 100.5"),
+    (dict(logit_bias=((5, -101),)), r"logit_bias of token 5 must be a number in \[-100, 100\], got -101"),
+    (dict(logit_bias=((5, float("nan")),)), r"logit_bias of token 5 must be a number in \[-100, 100\], got nan"),
+    (dict(logit_bias=((5, "1"),)), r"logit_bias of token 5 must be a number"),
+    (dict(logit_bias=((-1, 1.0),)), r"logit_bias token ids must be integers >= 0, got -1"),
+    (dict(logit_bias=((2.0, 1.0),)), r"logit_bias token ids must be integers >= 0, got 2.0"),
+    (dict(logit_bias=((True, 1.0),)), r"logit_bias token ids must be integers >= 0, got True"),
+    (dict(logit_bias=((1, 2, 3),)), r"logit_bias entries must be \(token id, bias\) pairs, got \(1, 2, 3\)"),
+    (dict(logit_bias=((4, 1.0), (4, 2.0))), "logit_bias gives token 4 twice"),
+    (dict(min_tokens=-1), r"min_tokens must be an integer >= 0 \(0 disables it\), got -1"),
+    (dict(min_tokens=2.5), r"min_tokens must be an integer >= 0"),
+    (dict(ignore_eos="yes"), "ignore_eos must be true or false, got 'yes'"),
+])
+def test_invalid_bias_and_stop_parameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_is_one_hashable_value_whatever_its_order():
+    a = SamplingParams(logit_bias=((9, 1), (2, -3.5)))
+    b = SamplingParams(logit_bias={2: -3.5, 9: 1.0})  # as an OpenAI request body holds it
+    assert a == b and hash(a) == hash(b) and a.logit_bias == ((2, -3.5), (9, 1.0))
+    assert SamplingParams(logit_bias=[[1, -100], [0, 100]]).logit_bias == ((0, 100.0), (1, -100.0))
+
+
+def test_logit_bias_is_added_and_checked_against_the_vocabulary():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
+    params = SamplingParams(logit_bias=((0, 10.0), (3, -2.5)))
+    before = logits.clone()
+    assert torch.equal(apply_logit_bias(logits, params), torch.tensor([[11.0, 2.0, 3.0, 1.5], [10.0, 0.0, 0.0, -2.5]]))
+    assert torch.equal(logits, before)  # a new tensor: the caller's logits are left alone
+    plain = SamplingParams()
+    assert apply_logit_bias(logits, plain) is logits  # no bias: nothing computed, bit for bit as before
+    with pytest.raises(ValueError, match=r"logit_bias token 4 is outside the vocabulary \(ids 0 to 3\)"):
+        apply_logit_bias(logits, SamplingParams(logit_bias=((4, 1.0),)))
+    check_logit_bias(((3, 1.0),), vocab_size=4)
+    with pytest.raises(ValueError, match=r"logit_bias token 160 is outside the vocabulary \(ids 0 to 159\)"):
+        check_logit_bias(((0, 1.0), (160, 1.0)), vocab_size=160)
+    # -100 bans and +100 forces in greedy, against logits of a realistic spread
+    wide = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 5
+    top = wide.argmax(-1)
+    assert sample(apply_logit_bias(wide, SamplingParams(logit_bias=((int(top[0]), -100),))), plain)[0] != top[0]
+    assert sample(apply_logit_bias(wide, SamplingParams(logit_bias=((7, 100),))), plain).tolist() == [7, 7, 7]
+
+
+def test_hold_stop_ids_until_min_tokens():
+    logits = torch.tensor([[5.0, 1.0, 2.0, 0.0]] * 3)  # (3, 4): stop ids 0 and 3
+    params = SamplingParams(min_tokens=2)
+    held = hold_stop_ids(logits, params, [0, 1, 2], [0, 3])
+    inf = float("-inf")
+    assert torch.equal(held, torch.tensor([[inf, 1.0, 2.0, inf], [inf, 1.0, 2.0, inf], [5.0, 1.0, 2.0, 0.0]]))
+    assert hold_stop_ids(logits, params, [2, 3, 9], [0, 3]) is logits  # every row is past min_tokens
+    assert hold_stop_ids(logits, SamplingParams(), [0, 0, 0], [0, 3]) is logits
+    # a row whose grammar allows only EOS keeps it: the grammar wins, and the row still has a token to sample
+    only_eos = torch.tensor([[2.0, inf, inf, inf], [2.0, 1.0, inf, inf]])
+    assert torch.equal(hold_stop_ids(only_eos, params, [0, 0], [0]), torch.tensor([[2.0, inf, inf, inf],
+                                                                                    [inf, 1.0, inf, inf]]))

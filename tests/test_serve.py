@@ -100,7 +100,7 @@ def reference(smollm2):
 def greedy_text(reference, prompt: list[int], n: int) -> tuple[str, int]:
     """decode.generate's greedy text for `prompt` (up to an EOS, not included) and the tokens it sampled."""
     model, tokenizer = reference
-    tokens = [t.id for t in generate(model, prompt, n, stop_ids=tokenizer.eos_ids)]  # default params: greedy
+    tokens = [t.id for t in generate(model, prompt, max_new_tokens=n, stop_ids=tokenizer.eos_ids)]  # greedy
     return tokenizer.decode([t for t in tokens if t not in tokenizer.eos_ids]), len(tokens)
 
 

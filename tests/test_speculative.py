@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import speculative
+from decode import generate
 from step import Step
 from helpers import ROOT
 from model import ModelArgs, Transformer
@@ -103,7 +104,8 @@ def test_verify_edge_cases():
 
 def spec_ids(target, draft, prompt, n, params=SamplingParams(), generator=None, **kw) -> list[int]:
     """The token ids of speculative.generate; kw as it takes them (stop_ids, k, stats, step)."""
-    return [t.id for t in speculative.generate(target, draft, prompt, n, params, generator, **kw)]
+    tokens = speculative.generate(target, draft, prompt, max_new_tokens=n, params=params, generator=generator, **kw)
+    return [t.id for t in tokens]
 
 
 def tiny_drafts(target, mode: str = "none"):
@@ -123,7 +125,7 @@ def test_greedy_matches_plain_greedy_tiny(tiny, k):
     want = greedy_ids(tiny, prompt, 48)
     for name, draft in tiny_drafts(tiny).items():
         stats = SpecStats(k)
-        tokens = list(speculative.generate(tiny, draft, prompt, 48, k=k, stats=stats))
+        tokens = list(speculative.generate(tiny, draft, prompt, max_new_tokens=48, k=k, stats=stats))
         assert [t.id for t in tokens] == want, name
         assert [t.end for t in tokens] == [None] * 47 + ["length"], name  # the same end rule as decode.generate
         if name == "other-seed":  # a different random model: rejections happen, so rollback is exercised
@@ -151,12 +153,29 @@ def test_stop_ids_and_context_limit(tiny):
     full = greedy_ids(tiny, prompt, 40)
     stop = full[10]
     draft = ModelDraft(hf_to_ours(make_hf("llama-gqa", seed=1)), tiny)
-    tokens = list(speculative.generate(tiny, draft, prompt, 40, stop_ids=[stop]))
+    tokens = list(speculative.generate(tiny, draft, prompt, max_new_tokens=40, stop_ids=[stop]))
     assert [t.id for t in tokens] == full[: full.index(stop) + 1] and tokens[-1].end == "eos"
     long_prompt = list(range(1, 151)) + list(range(1, 101))  # 250 of a 256 context
     want = greedy_ids(tiny, long_prompt, 50)
     for draft in tiny_drafts(tiny).values():
         assert spec_ids(tiny, draft, long_prompt, 50, k=4) == want
+
+
+def test_bias_min_tokens_and_ignore_eos_match_plain_greedy(tiny):
+    """The target's logits are processed as sample_tokens does, row by row of a verify: greedy speculative is plain
+    greedy with a logit bias, min_tokens holding the stop ids (counted per drafted position) and ignore_eos."""
+    prompt = [5, 17, 42, 99, 3, 5, 17, 42, 7]
+    stop = 9
+    for params in (SamplingParams(logit_bias=((stop, 100),), min_tokens=7),
+                   SamplingParams(logit_bias=((stop, 6.0), (greedy_ids(tiny, prompt, 1)[0], -100)), min_tokens=3),
+                   SamplingParams(logit_bias=((stop, 100),), ignore_eos=True)):
+        want = [t.id for t in generate(tiny, prompt, max_new_tokens=24, params=params, stop_ids=[stop])]
+        assert stop in want
+        for name, draft in tiny_drafts(tiny).items():
+            tokens = list(speculative.generate(tiny, draft, prompt, max_new_tokens=24, params=params, stop_ids=[stop]))
+            assert [t.id for t in tokens] == want, (name, params)
+    with pytest.raises(ValueError, match="logit_bias token 160 is outside the vocabulary"):
+        spec_ids(tiny, PromptLookupDraft(), prompt, 5, SamplingParams(logit_bias=((160, 1.0),)))
 
 
 def test_rollback_leaves_the_target_cache_exact(tiny):

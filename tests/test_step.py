@@ -39,7 +39,7 @@ def test_loops_refuse_a_step_of_another_model(tiny):
     from decode import generate
 
     with pytest.raises(AssertionError, match="a Step runs the model it was made for"):
-        list(generate(tiny, [1, 2, 3], 2, step=Step(copy.deepcopy(tiny))))
+        list(generate(tiny, [1, 2, 3], max_new_tokens=2, step=Step(copy.deepcopy(tiny))))
 
 
 def greedy_steps(step: Step, prompt: list[int], n: int, rows: int = 1) -> torch.Tensor:

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from decode import Token
 from helpers import ToyTokenizer, complete_greedy
+from sample import Token
 from text import (MAX_STOP_CHARS, MAX_STOP_STRINGS, Completion, StopStrings, TextStream, check_stop, complete,
                   complete_batch, completion_json, finish_reason, push_token)
 

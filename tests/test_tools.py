@@ -421,7 +421,8 @@ def test_constrained_calls_validate(smollm2):
         for p in PROMPTS:
             messages, template_tools = request.render([{"role": "user", "content": p}])
             prompts.append(tokenizer.encode_chat(messages, tools=template_tools))
-        rows = generate_batch(model, prompts, 120, SamplingParams(temperature=0.8), generator, tokenizer.eos_ids,
+        rows = generate_batch(model, prompts, max_new_tokens=120, params=SamplingParams(temperature=0.8),
+                              generator=generator, stop_ids=tokenizer.eos_ids,
                               grammar=compiler.compile(request.constraint))
         for c in complete_batch(rows, tokenizer, [len(p) for p in prompts]):
             content, calls = request.parse(c.text)
@@ -460,8 +461,8 @@ def test_auto_constrains_a_call_once_it_opens(smollm2):
     for p in PROMPTS[:5]:
         messages, template_tools = request.render([{"role": "user", "content": p}])
         prompts.append(tokenizer.encode_chat(messages, tools=template_tools) + opened)
-    rows = generate_batch(model, prompts, 120, SamplingParams(temperature=0.8), torch.Generator().manual_seed(0),
-                          tokenizer.eos_ids, grammar=Opened())
+    rows = generate_batch(model, prompts, max_new_tokens=120, params=SamplingParams(temperature=0.8),
+                          generator=torch.Generator().manual_seed(0), stop_ids=tokenizer.eos_ids, grammar=Opened())
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for c in complete_batch(rows, tokenizer, [len(p) for p in prompts]):
         content, calls = request.parse(opening + c.text)

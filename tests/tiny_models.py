@@ -85,7 +85,7 @@ def greedy_uncached(model: Transformer, prompt: list[int], n: int) -> list[int]:
 def greedy_ids(model: Transformer, prompt: list[int], n: int, params: SamplingParams = SamplingParams(),
                **kw) -> list[int]:
     """The token ids of decode.generate (greedy by default); kw as generate takes them (stop_ids, step, ...)."""
-    return [t.id for t in generate(model, prompt, n, params, **kw)]
+    return [t.id for t in generate(model, prompt, max_new_tokens=n, params=params, **kw)]
 
 
 # ---- writing tiny GGUF files (as llama.cpp's converter does) ----

@@ -55,7 +55,7 @@ class ServeConfig:
     max_connections: int = 512  # open at once, more get 503: with FD_RESERVE, under the usual limit of 1024 files
     special: bool = True  # special tokens' names in a /v1/completions prompt are those tokens (chat content: never)
     max_model_len: int | None = None  # positions per sequence at most (prompt and completion), below the model's
-    tool_parser: str | None = None  # the tool call syntax when not the chat template's (tools.FORMATS)
+    tool_parser: str | None = None  # the tool call syntax when not the chat template's (toolcalls.FORMATS)
     aliases: tuple[str, ...] = ()  # names served besides the model's (serve.py --served-model-name's others)
     shutdown_timeout_s: float = 20.0  # grace for running requests on SIGTERM; under Kubernetes' 30 s to SIGKILL
 

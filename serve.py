@@ -61,10 +61,10 @@ from engine import Engine, EngineConfig, Event, QueueFull, Request
 from gate import (BACKLOG, LOCAL_HOSTS, Connections, Gate, GuardedH11Protocol, QuietLoopErrors, ServeConfig, error,
                   use_file_descriptors)
 from grammar import Compiler, Constraint, Grammar
-from protocol import (Answer, BadRequest, error_body, longest_token, parse_body, parse_detokenize, parse_json,
-                      parse_tokenize)
+from answer import Answer
+from protocol import BadRequest, error_body, longest_token, parse_body, parse_detokenize, parse_json, parse_tokenize
 from step import COMPILE_HELP, COMPILE_MODES, Step
-from tools import FORMATS
+from toolcalls import FORMATS
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)  # seconds

@@ -1,4 +1,4 @@
-"""protocol.py without a server: request bodies -> engine Requests (and the 400s), engine Events -> OpenAI's
+"""protocol.py and answer.py without a server: request bodies -> engine Requests (and the 400s), engine Events -> OpenAI's
 response bodies and stream chunks (logprobs shapes, echo, n x prompts indexing, usage)."""
 import json
 
@@ -6,8 +6,8 @@ import pytest
 
 from decode import Token
 from engine import Event
-from protocol import (MAX_CHOICES, Answer, BadRequest, parse_detokenize, parse_json, parse_request,
-                      parse_tokenize)
+from answer import Answer
+from protocol import MAX_CHOICES, BadRequest, parse_detokenize, parse_json, parse_request, parse_tokenize
 
 LIMITS = {"max_len": 512, "max_chars": 10 ** 6}
 HEAD = {"id": "x", "object": "text_completion", "created": 0, "model": "m"}

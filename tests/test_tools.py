@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grammar import Compiler, Constraint
-from tools import FORMATS, CallParser, Format, calls_lark, detect_format, field_of, finish_reason, format_named, \
-    merge_deltas, message, parse_calls, tool_request
+from toolcalls import FORMATS, CallParser, Format, detect_format, format_named, merge_deltas, parse_calls
+from tools import calls_lark, field_of, finish_reason, message, tool_request
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -510,10 +510,10 @@ def test_cli_interactive_tool_round_trip(smollm2_gguf, tmp_path, monkeypatch, ca
     import io
 
     import generate
-    import tools
+    import toolcalls
 
     ids = counter_ids()
-    monkeypatch.setattr(tools, "new_call_id", lambda fmt=None: ids())
+    monkeypatch.setattr(toolcalls, "new_call_id", lambda fmt=None: ids())
     (tmp_path / "tools.json").write_text(json.dumps([WEATHER]))
     monkeypatch.setattr("sys.stdin", io.StringIO('/tool nope 1\n/tool call_0 {"temperature": 12}\n'))
     assert generate.main(["--model", smollm2_gguf, "--chat", "--interactive", "--prompt", "Weather in Oslo?",

@@ -420,3 +420,22 @@ def test_instructor_and_langchain_tool_calling(reference):
     city, bound, structured = call(reference, fn)
     assert isinstance(city, City) and isinstance(structured, City)
     assert bound.tool_calls and bound.tool_calls[0]["name"] == "get_weather" and "city" in bound.tool_calls[0]["args"]
+
+
+def test_max_model_len_caps_a_request_and_served_names_come_from_the_flags(reference):
+    from serve import parse_args, serve_config
+
+    config = serve_config(parse_args(["--served-model-name", "main", "other", "--max-model-len", "64"]))
+    assert (config.aliases, config.max_model_len) == (("other",), 64)
+
+    async def fn(c, h):
+        fits = await c.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model="m", prompt=PROMPT, max_tokens=60, temperature=0)
+        info = (await h.get("/v1/models/m")).json()
+        return fits, e.value, info
+
+    fits, refused, info = call(reference, fn, max_model_len=64)
+    assert fits.usage.completion_tokens == 8
+    assert refused.status_code == 400 and "max_tokens" in refused.message
+    assert info["max_model_len"] == 64

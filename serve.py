@@ -298,7 +298,8 @@ class Server:
                 if event.finished:
                     choices -= 1
                     tpot = (last - first) / (event.completion_tokens - 1) if event.completion_tokens > 1 else None
-                    self.metrics.finish(event.finish_reason, event, tpot)
+                    if queue in self.open:  # else release() counted it already (an abort)
+                        self.metrics.finish(event.finish_reason, event, tpot)
                     if event.finish_reason == "error":  # the engine failed this request alone and serves on
                         raise Failed(f"the request failed: {event.error}", 500)
                 yield i, event

@@ -48,7 +48,8 @@ def call(reference, fn, **config):
 
 def greedy_tokens(reference, prompt: list[int], n: int, logprobs: int):
     model, tokenizer = reference
-    return list(generate(model, prompt, n, params=SamplingParams(), stop_ids=tokenizer.eos_ids, logprobs=logprobs))
+    return list(generate(model, prompt, max_new_tokens=n, params=SamplingParams(), stop_ids=tokenizer.eos_ids,
+                         logprobs=logprobs))
 
 
 def teacher_forced(model, ids: list[int]) -> list[float]:
@@ -231,7 +232,9 @@ def http_server(reference):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # log_config=None: uvicorn would configure logging for the whole process (its loggers stop propagating, and
+    # the other tests' caplog sees nothing)
+    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     while not http.started:

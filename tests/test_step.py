@@ -222,8 +222,7 @@ def decode(step, n=8, rows=2):
     return torch.stack(logits)
 
 ref = decode(Step(model))
-print(*[(decode(Step(model, mode, prefill)) - ref).abs().max().item() for mode, prefill in
-        [("blocks", False), ("full", True)]])
+print((decode(Step(model, "blocks")) - ref).abs().max().item())  # the default CPU mode; full is one more minute
 """
 
 

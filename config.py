@@ -6,7 +6,8 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # llama.cpp's general.architecture
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -44,6 +45,8 @@ class ModelArgs:
     tie_embeddings: bool = False
     n_experts: int | None = None  # Mixtral: a sparse mixture of SwiGLU experts per layer; None: one dense MLP
     n_experts_per_token: int = 2  # Mixtral: experts each token is routed to (top-k)
+    qkv_bias: bool = False  # Qwen2: q_proj, k_proj and v_proj have biases
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
 
     def __post_init__(self):
         """The checks every source (config.json, GGUF metadata) needs: what would otherwise fail later, inside
@@ -74,7 +77,7 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        """Fill from a Hugging Face config.json (LlamaForCausalLM, MistralForCausalLM or MixtralForCausalLM).
+        """Fill from a Hugging Face config.json (one of ARCHITECTURES).
         A missing key or a value of the wrong type is a ValueError naming the key."""
         if not isinstance(cfg, dict):
             raise ValueError(f"config.json must hold a JSON object, not a {type(cfg).__name__}")
@@ -85,8 +88,10 @@ class ModelArgs:
             raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(ARCHITECTURES)}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; supported: 'silu'")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # Qwen2's q/k/v biases need no key: it always has them
             raise ValueError("unsupported config: attention_bias/mlp_bias must be false")
+        if cfg.get("use_sliding_window"):  # Qwen: a window on the layers past max_window_layers only
+            raise ValueError("unsupported config: use_sliding_window must be false")
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                "intermediate_size") if cfg.get(k) is None]
         if missing:
@@ -120,40 +125,44 @@ class ModelArgs:
             rope_theta=rope_theta,
             rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
             max_seq_len=size("max_position_embeddings", 4096),
-            sliding_window=size("sliding_window") if archs[0] != "LlamaForCausalLM" else None,
+            # Qwen's config.json sets sliding_window but uses it only with use_sliding_window
+            sliding_window=size("sliding_window") if archs[0] in ("MistralForCausalLM", "MixtralForCausalLM") else None,
             tie_embeddings=tie,
             n_experts=size("num_local_experts", 8) if moe else None,
             n_experts_per_token=size("num_experts_per_tok", 2) if moe else 2,
+            qkv_bias=archs[0] == "Qwen2ForCausalLM",
+            qk_norm=archs[0] == "Qwen3ForCausalLM",
         )
 
     @classmethod
     def from_gguf(cls, meta: dict, tensor_names: Collection[str]) -> "ModelArgs":
-        """Fill from GGUF metadata (llama architecture only) and the file's tensor names; a missing or mistyped key
-        is a ValueError naming it. rope_freq_factors (a Llama 3.1 file's `rope_freqs` tensor) is the loader's."""
+        """Fill from GGUF metadata (one of GGUF_ARCHITECTURES; keys under its name, `qwen2.block_count`) and the
+        file's tensor names; a missing or mistyped key is a ValueError naming it. rope_freq_factors (a Llama 3.1
+        file's `rope_freqs` tensor) is the loader's."""
         arch = meta.get("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
         missing = [k for k in ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")
-                   if f"llama.{k}" not in meta]
-        if "llama.vocab_size" not in meta and "tokenizer.ggml.tokens" not in meta:
+                   if f"{arch}.{k}" not in meta]
+        if f"{arch}.vocab_size" not in meta and "tokenizer.ggml.tokens" not in meta:
             missing.append("vocab_size")
         if missing:
-            raise ValueError(f"GGUF metadata has no {', '.join('llama.' + k for k in missing)}")
+            raise ValueError(f"GGUF metadata has no {', '.join(f'{arch}.{k}' for k in missing)}")
 
         def size(key: str, default: int | None = None) -> int:
-            return positive_int(meta.get(f"llama.{key}", default), f"GGUF metadata llama.{key}")
+            return positive_int(meta.get(f"{arch}.{key}", default), f"GGUF metadata {arch}.{key}")
 
         def number(key: str, default: float) -> float:
-            return positive_number(meta.get(f"llama.{key}", default), f"GGUF metadata llama.{key}")
+            return positive_number(meta.get(f"{arch}.{key}", default), f"GGUF metadata {arch}.{key}")
 
-        scaling_type = meta.get("llama.rope.scaling.type", "none")
+        scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
         if scaling_type not in ("none", "linear"):
             raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear'")
         rope_scaling = None
         if scaling_type == "linear":
             rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
         n_heads = size("attention.head_count")
-        n_experts = size("expert_count") if meta.get("llama.expert_count", 0) != 0 else None  # Mixtral: > 0
+        n_experts = size("expert_count") if meta.get(f"{arch}.expert_count", 0) != 0 else None  # Mixtral: > 0
         args = cls(
             vocab_size=size("vocab_size", len(meta.get("tokenizer.ggml.tokens", ()))),
             dim=size("embedding_length"),
@@ -161,7 +170,7 @@ class ModelArgs:
             n_heads=n_heads,
             hidden_dim=size("feed_forward_length"),
             n_kv_heads=size("attention.head_count_kv", n_heads),
-            head_dim=size("attention.key_length") if "llama.attention.key_length" in meta else None,
+            head_dim=size("attention.key_length") if f"{arch}.attention.key_length" in meta else None,
             norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=number("rope.freq_base", 10000.0),
             rope_scaling=rope_scaling,
@@ -169,23 +178,26 @@ class ModelArgs:
             tie_embeddings="output.weight" not in tensor_names,  # llama.cpp drops the head of tied models
             n_experts=n_experts,
             n_experts_per_token=size("expert_used_count", 2) if n_experts else 2,
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
         )
-        if meta.get("llama.rope.dimension_count", args.head_dim) != args.head_dim:
+        if meta.get(f"{arch}.rope.dimension_count", args.head_dim) != args.head_dim:
             raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")
         return args
 
     def to_hf_config(self) -> dict:
-        """A Hugging Face LlamaForCausalLM (or MixtralForCausalLM) config.json that from_hf_config reads back as
-        these args (export.py writes it for a GGUF source)."""
+        """A Hugging Face config.json (LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM)
+        that from_hf_config reads back as these args (export.py writes it for a GGUF source)."""
         if self.rope_freq_factors is not None:
             raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
                              "cannot express; save from the Hugging Face checkpoint instead")
         if self.sliding_window is not None:
             raise ValueError("sliding-window models are saved from their Hugging Face folder, not from GGUF")
         moe = self.n_experts is not None
+        model_type = "mixtral" if moe else "qwen2" if self.qkv_bias else "qwen3" if self.qk_norm else "llama"
         cfg = {
-            "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"], "model_type": "mixtral" if moe
-            else "llama", "vocab_size": self.vocab_size,
+            "architectures": [ARCHITECTURES[("llama", "mistral", "mixtral", "qwen2", "qwen3").index(model_type)]],
+            "model_type": model_type, "vocab_size": self.vocab_size,
             "hidden_size": self.dim, "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads,
             "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim, "intermediate_size": self.hidden_dim,
             "hidden_act": "silu", "rms_norm_eps": self.norm_eps, "rope_theta": self.rope_theta,

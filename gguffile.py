@@ -32,6 +32,8 @@ GGUF_BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -170,8 +172,11 @@ def tensor_name(gguf_name: str) -> str:
     return gguf_name
 
 
+PERMUTED_QK = ("llama",)  # the architectures whose q/k rows llama.cpp's converter permutes (qwen2/qwen3 keep HF's)
+
+
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp stores q/k rows with RoPE pairs interleaved (2i, 2i+1); our RoPE pairs (i, i + D/2).
+    """llama.cpp stores a llama file's q/k rows with RoPE pairs interleaved (2i, 2i+1); our RoPE pairs (i, i + D/2).
     Its converter reshaped each head's rows as (2, D/2) -> (D/2, 2); this is the inverse."""
     rows, cols = w.shape
     return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)

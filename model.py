@@ -1,4 +1,4 @@
-"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2) in plain PyTorch.
+"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3) in plain PyTorch.
 
 Shape legend used in the comments:
   B batch, T tokens in this call, S key positions (cache length), C model width,
@@ -125,13 +125,13 @@ class Parts:
 
 
 class Linear(Parts, nn.Linear):
-    """A bias-free nn.Linear. Compiled on CPU with float32 weights, a one-row product is written as a multiply-and-
+    """An nn.Linear, bias-free unless asked (Qwen2's q/k/v). Compiled on CPU with float32 weights, a one-row product is written as a multiply-and-
     sum: Inductor makes that a vectorized reduction that streams the weight about twice as fast as the GEMV of
     torch's matmul libraries (README, Benchmarks). bf16 weights keep F.linear: there MKL's GEMV is the faster one.
     Eager, batched or on CUDA it is F.linear."""
 
-    def __init__(self, in_features: int, out_features: int, parts: dict[str, int] | None = None):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, parts: dict[str, int] | None = None, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
         self.parts = parts
         assert parts is None or sum(parts.values()) == out_features, f"{parts} vs {out_features} rows"
 
@@ -139,8 +139,9 @@ class Linear(Parts, nn.Linear):
         one_row = x.device.type == "cpu" and x.shape[:-1].numel() == 1
         if one_row and self.weight.dtype == torch.float32 and torch.compiler.is_compiling():
             y = (self.weight * x.reshape(1, -1).float()).sum(-1)  # (N,)
+            y = y if self.bias is None else y + self.bias
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -163,14 +164,21 @@ class Attention(nn.Module):
         # q, k and v as one weight (rows q | k | v): one larger matmul instead of three. Checkpoints keep
         # q_proj/k_proj/v_proj, the parts the loader hands in (Parts).
         q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        self.qkv_proj = Linear(args.dim, q_rows + 2 * kv_rows, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows})
+        self.qkv_proj = Linear(args.dim, q_rows + 2 * kv_rows, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows},
+                               bias=args.qkv_bias)
         self.o_proj = Linear(args.n_heads * args.head_dim, args.dim)
+        # Qwen3: each head's q and k RMS-normed (over D) before RoPE
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
         B, T, _ = x.shape
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).split([(H + K) * D, K * D], dim=-1)  # (B, T, (H+K)*D), (B, T, K*D)
-        qk = apply_rope(qk.view(B, T, H + K, D).transpose(1, 2), cos, sin)  # (B, H+K, T, D): q and k in one go
+        qk = qk.view(B, T, H + K, D)  # (B, T, H+K, D)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)  # (B, T, H+K, D)
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # (B, H+K, T, D): q and k in one go
         q, k = qk.split([H, K], dim=1)  # (B, H, T, D), (B, K, T, D)
         v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
         if cache is not None:

@@ -26,7 +26,13 @@ CONFIGS = {
                                            sliding_window=16)),
     "mixtral-6x3-window": ("mixtral", dict(num_local_experts=6, num_experts_per_tok=3, head_dim=24,
                                            sliding_window=24)),
+    # Qwen2 (q/k/v biases), untied and tied; Qwen3 (q/k norms) with an explicit head_dim, and tied
+    "qwen2": ("qwen2", dict()),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "qwen3": ("qwen3", dict(head_dim=24)),
+    "qwen3-tied": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
 }
+RANDOM_VECTORS = ("qwen2", "qwen3")  # families whose biases and norm weights are drawn at random, not 0 and 1
 
 
 def make_hf(name: str, seed: int = 0):
@@ -34,14 +40,20 @@ def make_hf(name: str, seed: int = 0):
     import transformers
 
     family, extra = CONFIGS[name]
-    prefix = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral"}[family]
+    prefix = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     config_cls, model_cls = getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
     kw = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
               initializer_range=0.1)  # larger than the default so logits are O(1) and differences show
     kw.update(extra)
     torch.manual_seed(seed)
-    return model_cls(config_cls(**kw)).eval()
+    model = model_cls(config_cls(**kw)).eval()
+    if family in RANDOM_VECTORS:  # transformers initializes them to 0 and 1, which would hide a swapped or lost one
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.normal_(0.0 if name.endswith(".bias") else 1.0, 0.1)  # a bias, or a norm's weight
+    return model
 
 
 def hf_to_ours(hf) -> Transformer:
@@ -97,12 +109,16 @@ def llama_cpp_permute(w, n_heads: int):
     return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def llama_gguf_writer(path, cfg):
-    """A gguf.GGUFWriter for a llama-architecture file with the metadata of transformers config `cfg` (and, for a
-    Mixtral config, its expert counts); the caller adds the tensors and writes the file."""
+def llama_gguf_writer(path, cfg, arch: str = "llama"):
+    """A gguf.GGUFWriter for a file of llama.cpp architecture `arch` (llama, qwen2, qwen3) with the metadata of
+    transformers config `cfg` (and, for a Mixtral config, its expert counts); the caller adds the tensors and
+    writes the file."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
+    if getattr(cfg, "head_dim", None) and cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(cfg.head_dim)  # as llama.cpp's converter writes a config's own head_dim
+        writer.add_value_length(cfg.head_dim)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)

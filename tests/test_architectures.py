@@ -1,0 +1,170 @@
+"""The architectures beyond Llama/Mistral/Mixtral through the paths that load and run them: Hugging Face folders,
+quantized (at load and exported), compiled decode steps, GGUF files written with llama.cpp's names, and their
+config.json written back. Their parity with transformers (eager, cached, batched) is test_model.py's, over CONFIGS."""
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
+from kvcache import KVCache
+from load import load_model
+from model import ModelArgs
+from quantize import quantize_model
+from tiny_models import SEQ_LEN, hf_to_ours, llama_gguf_writer, make_hf
+
+QWEN = ["qwen2", "qwen2-tied", "qwen3", "qwen3-tied"]
+
+
+def tokens(seq: int = SEQ_LEN, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 160, (1, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_qwen_biases_and_norms_reach_the_model():
+    """Random biases and q/k norm weights (tiny_models draws them) land in the fused rows and norms they belong to."""
+    hf = make_hf("qwen2")
+    ours = hf_to_ours(hf)
+    attn = hf.model.layers[1].self_attn
+    want = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+    assert torch.equal(ours.layers[1].self_attn.qkv_proj.bias, want) and want.abs().min() > 0
+    hf3 = make_hf("qwen3")
+    ours3 = hf_to_ours(hf3)
+    assert torch.equal(ours3.layers[0].self_attn.k_norm.weight, hf3.model.layers[0].self_attn.k_norm.weight)
+    assert ours3.layers[0].self_attn.qkv_proj.bias is None and ours.layers[0].self_attn.q_norm is None
+
+
+@pytest.mark.parametrize("name", QWEN)
+def test_folder_matches_transformers(tmp_path, name):
+    hf = make_hf(name)
+    hf.save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    toks = tokens()
+    assert (model(toks, torch.arange(SEQ_LEN), all_logits=True) - hf(toks).logits).abs().max() <= 1e-4
+    assert ModelArgs.from_hf_config(model.args.to_hf_config()) == model.args  # export.py's config.json for it
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3-tied"])
+@pytest.mark.parametrize("mode", ["int8", "int4:32"])
+def test_quantized_qwen(tmp_path, name, mode):
+    """Quantizing at load gives quantize_model's tensors (the biases kept in float, not padded); an exported folder
+    loads back to them; the quantized logits equal a float model's holding the dequantized weights and the same
+    biases, within the kernels' bf16 rounding."""
+    import export
+
+    make_hf(name).save_pretrained(tmp_path / "src")
+    floats, _ = load_model(str(tmp_path / "src"), "cpu", torch.float32)
+    at_load, _ = load_model(str(tmp_path / "src"), "cpu", torch.float32, quantize=mode)
+    want = quantize_model(copy.deepcopy(floats), mode).state_dict()
+    got = at_load.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    if name == "qwen2":
+        bias = at_load.layers[0].self_attn.qkv_proj.bias
+        assert bias.shape == (128,) and torch.equal(bias, floats.layers[0].self_attn.qkv_proj.bias)
+    out = tmp_path / "out"
+    assert export.main(["--model", str(tmp_path / "src"), "--mode", mode, "--out", str(out), "--dtype", "float32"]) == 0
+    loaded = load_model(str(out), "cpu", torch.float32)[0].state_dict()
+    assert loaded.keys() == got.keys() and all(torch.equal(loaded[k], got[k]) for k in got)
+    with torch.no_grad():
+        for module_name, module in floats.named_modules():
+            if module_name.startswith("layers.") and isinstance(module, torch.nn.Linear):
+                module.weight.copy_(at_load.get_submodule(module_name).dequantize())
+    toks = tokens()
+    ref = floats(toks, torch.arange(SEQ_LEN), all_logits=True)
+    q = at_load(toks, torch.arange(SEQ_LEN), all_logits=True)
+    assert (q - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_compiled_blocks_decode_matches_eager(name):
+    """--compile blocks (the CPU default): the one-row Linear's multiply-and-sum with its bias, the q/k norms."""
+    from step import Step
+
+    model = hf_to_ours(make_hf(name))
+    steps = {mode: Step(model, mode) for mode in ("none", "blocks")}
+    logits = {}
+    for mode, step in steps.items():
+        cache = KVCache.for_model(model.args, 1, 16, torch.float32, "cpu")
+        out = [step(torch.tensor([[3, 1, 4]]), torch.arange(3), cache)]
+        for pos in range(3, 12):
+            out.append(step(torch.tensor([[pos * 7 % 160]]), torch.tensor([pos]), cache))
+        logits[mode] = torch.cat(out)
+    assert (logits["blocks"] - logits["none"]).abs().max() <= 1e-4
+
+
+# ---- GGUF files with llama.cpp's qwen2 / qwen3 names ----
+
+def write_gguf(path, hf, arch: str, linear_type: str = "F32") -> str:
+    """`hf` as llama.cpp's converter writes a qwen2/qwen3 file: its tensor names (biases attn_q.bias, norms
+    attn_q_norm), q/k rows as they are (these architectures use half-rotation RoPE in llama.cpp, so no permutation),
+    block linears in linear_type, a tied model without `output`."""
+    import gguf
+
+    cfg = hf.config
+    writer = llama_gguf_writer(path, cfg, arch)
+    top = {v: k for k, v in GGUF_TOP_NAMES.items()}
+    block = {v: k for k, v in GGUF_BLOCK_NAMES.items()}
+    for name, t in hf.state_dict().items():
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        parts = name.split(".")
+        if parts[0] == "layers":
+            gguf_name = f"blk.{parts[1]}.{block['.'.join(parts[2:-1])]}.{parts[-1]}"
+        else:
+            gguf_name = f"{top[parts[0]]}.{parts[-1]}"
+        w = t.float().numpy()
+        if w.ndim == 1 or linear_type == "F32" or not gguf_name.startswith("blk."):
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w, dtype=np.float32))
+        else:
+            raw = gguf.GGMLQuantizationType[linear_type]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, raw), raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("name", QWEN)
+def test_gguf_matches_transformers(tmp_path, name):
+    hf = make_hf(name)
+    arch = name.split("-")[0]
+    model, _ = load_model(write_gguf(tmp_path / f"{name}.gguf", hf, arch), "cpu", torch.float32)
+    want = hf_to_ours(hf).args
+    assert model.args == dataclasses.replace(want, norm_eps=model.args.norm_eps)  # GGUF holds eps as float32
+    toks = tokens()
+    assert (model(toks, torch.arange(SEQ_LEN), all_logits=True) - hf(toks).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_q4_0_gguf_loads_as_int4_codes(tmp_path, arch):
+    """A Q4_0 qwen file runs its linears as the file's int4 codes (the biases and norms float): its logits equal a
+    float model holding the file's dequantized weights, within the int4 kernel's bf16 rounding."""
+    import transformers
+
+    from quantize import Int4Linear
+
+    torch.manual_seed(0)
+    prefix = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
+    cfg = getattr(transformers, prefix + "Config")(
+        vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1)
+    hf = getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if p.dim() == 1:
+                p.normal_(0.0 if pname.endswith(".bias") else 1.0, 0.1)
+    native, _ = load_model(write_gguf(tmp_path / "q4.gguf", hf, arch, "Q4_0"), "cpu", torch.float32)
+    assert isinstance(native.layers[0].self_attn.qkv_proj, Int4Linear)
+    exact, _ = load_model(str(tmp_path / "q4.gguf"), "cpu", torch.float32, quantize="none")
+    toks = tokens()
+    a = native(toks, torch.arange(SEQ_LEN), all_logits=True)
+    b = exact(toks, torch.arange(SEQ_LEN), all_logits=True)
+    assert (a - b).abs().max() <= 2e-2 * b.abs().max()
+
+
+def test_unknown_gguf_architecture_names_the_supported_ones():
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3"):
+        ModelArgs.from_gguf({"general.architecture": "gpt2"}, set())

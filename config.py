@@ -6,11 +6,14 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "Phi3ForCausalLM")
+WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # those whose sliding_window applies
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # llama.cpp's general.architecture
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
-               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+               "longrope": ("original_max_position_embeddings",)}  # and its short_factor, long_factor lists
 
 
 def positive_int(value, what: str) -> int:
@@ -47,6 +50,8 @@ class ModelArgs:
     n_experts_per_token: int = 2  # Mixtral: experts each token is routed to (top-k)
     qkv_bias: bool = False  # Qwen2: q_proj, k_proj and v_proj have biases
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused, as we run them
+    rope_dim: int | None = None  # dims of each head RoPE rotates, the first ones (Phi-4-mini: 3/4); None: head_dim
 
     def __post_init__(self):
         """The checks every source (config.json, GGUF metadata) needs: what would otherwise fail later, inside
@@ -58,8 +63,13 @@ class ModelArgs:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} "
                              "key/value heads")
+        if self.rope_dim is None:
+            self.rope_dim = self.head_dim
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} is odd; rotary embeddings rotate pairs of dimensions")
+        if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
+            raise ValueError(f"{self.rope_dim} rotary dims of head dim {self.head_dim}: rotary embeddings rotate "
+                             "pairs of a head's dimensions")
         scaling = self.rope_scaling or {}
         rope_type = scaling.get("rope_type", "default")
         if not isinstance(rope_type, str) or rope_type not in ROPE_PARAMS:
@@ -69,6 +79,13 @@ class ModelArgs:
             raise ValueError(f"rope type {rope_type!r} needs rope_scaling {', '.join(missing)}")
         for key in ROPE_PARAMS[rope_type]:
             positive_number(scaling[key], f"rope_scaling {key}")
+        for key in ("short_factor", "long_factor") if rope_type == "longrope" else ():
+            factors = scaling.get(key)
+            if not isinstance(factors, (list, tuple)) or len(factors) != self.rope_dim // 2:
+                raise ValueError(f"rope type 'longrope' needs rope_scaling {key}, a list of {self.rope_dim // 2} "
+                                 f"numbers, got {factors!r}")
+            for x in factors:
+                positive_number(x, f"rope_scaling {key} entry")
         if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
             raise ValueError(f"rope_scaling high_freq_factor {scaling['high_freq_factor']} must be greater than "
                              f"low_freq_factor {scaling['low_freq_factor']} (llama3 rope divides by their difference)")
@@ -109,6 +126,17 @@ class ModelArgs:
         rope = dict(rope)
         rope_theta = positive_number(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)), "config.json rope_theta")
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first configs
+        partial = positive_number(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)),
+                                  "config.json partial_rotary_factor")
+        if rope_type == "longrope" and cfg.get("original_max_position_embeddings") is not None:  # Phi-3 keeps it here
+            rope.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
+        if rope_type == "longrope" and "original_max_position_embeddings" in rope:
+            # the checkpoint's context extension, which sets the attention factor whatever context the model runs in
+            original = positive_int(rope["original_max_position_embeddings"],
+                                    "config.json original_max_position_embeddings")
+            rope.setdefault("factor", size("max_position_embeddings", 4096) / original)
+        head_dim = size("head_dim") or size("hidden_size") // size("num_attention_heads")
         tie = cfg.get("tie_word_embeddings", False)
         if not isinstance(tie, bool):
             raise ValueError(f"config.json tie_word_embeddings must be true or false, got {tie!r}")
@@ -126,12 +154,14 @@ class ModelArgs:
             rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
             max_seq_len=size("max_position_embeddings", 4096),
             # Qwen's config.json sets sliding_window but uses it only with use_sliding_window
-            sliding_window=size("sliding_window") if archs[0] in ("MistralForCausalLM", "MixtralForCausalLM") else None,
+            sliding_window=size("sliding_window") if archs[0] in WINDOWED else None,
             tie_embeddings=tie,
             n_experts=size("num_local_experts", 8) if moe else None,
             n_experts_per_token=size("num_experts_per_tok", 2) if moe else 2,
             qkv_bias=archs[0] == "Qwen2ForCausalLM",
             qk_norm=archs[0] == "Qwen3ForCausalLM",
+            fused_checkpoint=archs[0] == "Phi3ForCausalLM",
+            rope_dim=None if partial == 1 else int(head_dim * partial),  # rounded down, as transformers does
         )
 
     @classmethod
@@ -186,17 +216,19 @@ class ModelArgs:
         return args
 
     def to_hf_config(self) -> dict:
-        """A Hugging Face config.json (LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM)
-        that from_hf_config reads back as these args (export.py writes it for a GGUF source)."""
+        """A Hugging Face config.json (LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
+        Phi3ForCausalLM) that from_hf_config reads back as these args (export.py writes it for a GGUF source)."""
         if self.rope_freq_factors is not None:
             raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
                              "cannot express; save from the Hugging Face checkpoint instead")
         if self.sliding_window is not None:
             raise ValueError("sliding-window models are saved from their Hugging Face folder, not from GGUF")
         moe = self.n_experts is not None
-        model_type = "mixtral" if moe else "qwen2" if self.qkv_bias else "qwen3" if self.qk_norm else "llama"
+        model_type = ("mixtral" if moe else "qwen2" if self.qkv_bias else "qwen3" if self.qk_norm else
+                      "phi3" if self.fused_checkpoint else "llama")
+        arch = ARCHITECTURES[("llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3").index(model_type)]
         cfg = {
-            "architectures": [ARCHITECTURES[("llama", "mistral", "mixtral", "qwen2", "qwen3").index(model_type)]],
+            "architectures": [arch],
             "model_type": model_type, "vocab_size": self.vocab_size,
             "hidden_size": self.dim, "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads,
             "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim, "intermediate_size": self.hidden_dim,
@@ -206,6 +238,8 @@ class ModelArgs:
         }
         if self.rope_scaling:
             cfg["rope_scaling"] = dict(self.rope_scaling)
+        if self.rope_dim != self.head_dim:
+            cfg["partial_rotary_factor"] = self.rope_dim / self.head_dim
         if moe:
             cfg.update(num_local_experts=self.n_experts, num_experts_per_tok=self.n_experts_per_token)
         return cfg

@@ -393,8 +393,8 @@ def with_rope_freqs(args: ModelArgs, rope_freqs, path: str) -> ModelArgs:
 
 
 def load_gguf(path: str, device, dtype: torch.dtype, progress: bool, request: Request, shard) -> Transformer:
-    """A GGUF file (llama, qwen2 or qwen3 architecture): dequantized to dtype with the gguf package (or, with a mode, from float32
-    straight to int8/int4 codes), or its Q4 linears and Q8_0 head as their codes (GGUFRoutes)."""
+    """A GGUF file (llama, qwen2 or qwen3 architecture): dequantized to dtype with the gguf package (or, with a mode,
+    from float32 straight to int8/int4 codes), or its Q4 linears and Q8_0 head as their codes (GGUFRoutes)."""
     try:
         meta, file_tensors = gguffile.read_gguf(path)
     except (ValueError, OSError) as e:

@@ -1,4 +1,5 @@
-"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3) in plain PyTorch.
+"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3,
+Phi-3) in plain PyTorch.
 
 Shape legend used in the comments:
   B batch, T tokens in this call, S key positions (cache length), C model width,
@@ -19,10 +20,18 @@ from kvcache import KVCache, LayerKVCache
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Per-pair rotation frequencies (D/2,), with the checkpoint's rope scaling applied."""
-    d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    """Per-pair rotation frequencies (R/2,) for the R = rope_dim rotated dims, with the checkpoint's rope scaling."""
+    d = args.rope_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d  # (R/2,)
     scaling = args.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope":
+        # Phi-3: per-frequency divisors, the long ones for a context past the original one. The choice is made once
+        # for the model's context (llama.cpp's rule), so every cached key keeps its rotation; transformers picks per
+        # forward, by its last position, so it uses the short ones on shorter sequences of a long-context model.
+        long = args.max_seq_len > scaling["original_max_position_embeddings"]
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * args.rope_theta ** exponents)
+    inv_freq = 1.0 / (args.rope_theta ** exponents)
     if scaling.get("rope_type") == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif scaling.get("rope_type") == "llama3":
@@ -40,12 +49,27 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return inv_freq
 
 
+def rope_attention_factor(args: ModelArgs) -> float:
+    """What longrope multiplies cos and sin by (transformers' attention_scaling), from the checkpoint's context
+    extension `factor` (config.py: max_position_embeddings / original); 1 for every other rope type."""
+    scaling = args.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or args.max_seq_len / original
+    default = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return scaling.get("attention_factor") or default
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, D) by position, with cos and sin (T, D/2), or (B, 1, T, D/2) with per-row positions, in x's
-    dtype. Half-rotation layout: dim i pairs with i + D/2 (Hugging Face's layout; gguffile.unpermute_qk converts GGUF's
-    interleaved q/k rows to it)."""
-    x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    """Rotate the first R dims of (B, H, T, D) by position, with cos and sin (T, R/2), or (B, 1, T, R/2) with per-row
+    positions, in x's dtype; R = D but for partial rotary (Phi-4-mini), whose last D - R dims pass as they are.
+    Half-rotation layout: dim i pairs with i + R/2 (Hugging Face's layout; gguffile.unpermute_qk converts a llama
+    GGUF's interleaved q/k rows to it)."""
+    r = 2 * cos.shape[-1]
+    x1, x2 = x[..., :r].chunk(2, dim=-1)  # (B, H, T, R/2) each
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # (B, H, T, R)
+    return rotated if r == x.shape[-1] else torch.cat([rotated, x[..., r:]], dim=-1)  # (B, H, T, D)
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -125,10 +149,10 @@ class Parts:
 
 
 class Linear(Parts, nn.Linear):
-    """An nn.Linear, bias-free unless asked (Qwen2's q/k/v). Compiled on CPU with float32 weights, a one-row product is written as a multiply-and-
-    sum: Inductor makes that a vectorized reduction that streams the weight about twice as fast as the GEMV of
-    torch's matmul libraries (README, Benchmarks). bf16 weights keep F.linear: there MKL's GEMV is the faster one.
-    Eager, batched or on CUDA it is F.linear."""
+    """An nn.Linear, bias-free unless asked (Qwen2's q/k/v). Compiled on CPU with float32 weights, a one-row product
+    is written as a multiply-and-sum: Inductor makes that a vectorized reduction that streams the weight about twice
+    as fast as the GEMV of torch's matmul libraries (README, Benchmarks). bf16 weights keep F.linear: there MKL's
+    GEMV is the faster one. Eager, batched or on CUDA it is F.linear."""
 
     def __init__(self, in_features: int, out_features: int, parts: dict[str, int] | None = None, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
@@ -162,10 +186,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         # q, k and v as one weight (rows q | k | v): one larger matmul instead of three. Checkpoints keep
-        # q_proj/k_proj/v_proj, the parts the loader hands in (Parts).
+        # q_proj/k_proj/v_proj, the parts the loader hands in (Parts); Phi-3's store qkv_proj itself.
         q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        self.qkv_proj = Linear(args.dim, q_rows + 2 * kv_rows, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows},
-                               bias=args.qkv_bias)
+        parts = None if args.fused_checkpoint else {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
+        self.qkv_proj = Linear(args.dim, q_rows + 2 * kv_rows, parts, bias=args.qkv_bias)
         self.o_proj = Linear(args.n_heads * args.head_dim, args.dim)
         # Qwen3: each head's q and k RMS-normed (over D) before RoPE
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
@@ -196,7 +220,8 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         width = args.hidden_dim
-        self.gate_up_proj = Linear(args.dim, 2 * width, {"gate_proj": width, "up_proj": width})  # rows gate | up
+        parts = None if args.fused_checkpoint else {"gate_proj": width, "up_proj": width}
+        self.gate_up_proj = Linear(args.dim, 2 * width, parts)  # rows gate | up
         self.down_proj = Linear(args.hidden_dim, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -285,9 +310,10 @@ class Transformer(nn.Module):
         """(Re)build the cos/sin tables, e.g. after the model was built on the meta device."""
         device = device or self.embed_tokens.weight.device
         positions = torch.arange(self.args.max_seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(self.args).to(device))  # (max_seq_len, D/2)
-        self.register_buffer("rope_cos", freqs.cos(), persistent=False)
-        self.register_buffer("rope_sin", freqs.sin(), persistent=False)
+        freqs = torch.outer(positions, rope_inv_freq(self.args).to(device))  # (max_seq_len, R/2)
+        scale = rope_attention_factor(self.args)
+        self.register_buffer("rope_cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("rope_sin", freqs.sin() * scale, persistent=False)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache | None = None,
                 all_logits: bool = False) -> torch.Tensor:

@@ -16,6 +16,7 @@ from quantize import quantize_model
 from tiny_models import SEQ_LEN, hf_to_ours, llama_gguf_writer, make_hf
 
 QWEN = ["qwen2", "qwen2-tied", "qwen3", "qwen3-tied"]
+PHI = ["phi3-longrope", "phi3-short-window", "phi4-mini-partial"]
 
 
 def tokens(seq: int = SEQ_LEN, seed: int = 1) -> torch.Tensor:
@@ -35,17 +36,18 @@ def test_qwen_biases_and_norms_reach_the_model():
     assert ours3.layers[0].self_attn.qkv_proj.bias is None and ours.layers[0].self_attn.q_norm is None
 
 
-@pytest.mark.parametrize("name", QWEN)
+@pytest.mark.parametrize("name", QWEN + PHI)
 def test_folder_matches_transformers(tmp_path, name):
     hf = make_hf(name)
     hf.save_pretrained(tmp_path)
     model, _ = load_model(str(tmp_path), "cpu", torch.float32)
     toks = tokens()
     assert (model(toks, torch.arange(SEQ_LEN), all_logits=True) - hf(toks).logits).abs().max() <= 1e-4
-    assert ModelArgs.from_hf_config(model.args.to_hf_config()) == model.args  # export.py's config.json for it
+    if model.args.sliding_window is None:  # export.py writes a config.json for a GGUF source, which has no window
+        assert ModelArgs.from_hf_config(model.args.to_hf_config()) == model.args
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3-tied"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3-tied", "phi4-mini-partial"])
 @pytest.mark.parametrize("mode", ["int8", "int4:32"])
 def test_quantized_qwen(tmp_path, name, mode):
     """Quantizing at load gives quantize_model's tensors (the biases kept in float, not padded); an exported folder
@@ -76,9 +78,10 @@ def test_quantized_qwen(tmp_path, name, mode):
     assert (q - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi4-mini-partial"])
 def test_compiled_blocks_decode_matches_eager(name):
-    """--compile blocks (the CPU default): the one-row Linear's multiply-and-sum with its bias, the q/k norms."""
+    """--compile blocks (the CPU default): the one-row Linear's multiply-and-sum with its bias, the q/k norms,
+    partial rotary."""
     from step import Step
 
     model = hf_to_ours(make_hf(name))
@@ -91,6 +94,50 @@ def test_compiled_blocks_decode_matches_eager(name):
             out.append(step(torch.tensor([[pos * 7 % 160]]), torch.tensor([pos]), cache))
         logits[mode] = torch.cat(out)
     assert (logits["blocks"] - logits["none"]).abs().max() <= 1e-4
+
+
+def test_phi3_checkpoint_is_stored_fused():
+    """Phi-3's qkv_proj and gate_up_proj are its checkpoint's own tensors, taken as they are."""
+    from load import checkpoint_shapes
+
+    ours = hf_to_ours(make_hf("phi3-longrope"))
+    shapes = checkpoint_shapes(ours)
+    assert shapes["layers.0.self_attn.qkv_proj.weight"] == (128, 64)
+    assert shapes["layers.0.mlp.gate_up_proj.weight"] == (224, 64)
+    assert not any("q_proj" in name or "gate_proj" in name for name in shapes)
+
+
+def hf_rope(hf, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' (cos, sin) for positions (T,), each (T, R/2): its halves are equal (half-rotation layout)."""
+    x = torch.zeros(1, len(positions), hf.config.hidden_size)
+    cos, sin = hf.model.rotary_emb(x, positions[None])
+    return cos[0, :, :cos.shape[-1] // 2], sin[0, :, :sin.shape[-1] // 2]
+
+
+@pytest.mark.parametrize("name", ["phi3-longrope", "phi4-mini-partial"])
+def test_longrope_factors_follow_the_context(name):
+    """longrope's factors are chosen once for the model's context (llama.cpp's rule): a context past the original one
+    gets transformers' long table (its choice for a sequence that long), one within it transformers' short table
+    (its choice for a sequence within it), attention factor included."""
+    hf = make_hf(name)
+    ours = hf_to_ours(hf)
+    original = hf.config.rope_parameters["original_max_position_embeddings"]
+    long_cos, long_sin = hf_rope(hf, torch.arange(original + 40))
+    assert (ours.rope_cos[:original + 40] - long_cos).abs().max() <= 1e-6
+    assert (ours.rope_sin[:original + 40] - long_sin).abs().max() <= 1e-6
+    with torch.device("meta"):
+        short = type(ours)(dataclasses.replace(ours.args, max_seq_len=original))
+    short.reset_rope("cpu")
+    short_cos, short_sin = hf_rope(hf, torch.arange(original))
+    assert (short.rope_cos - short_cos).abs().max() <= 1e-6 and (short.rope_sin - short_sin).abs().max() <= 1e-6
+    assert (short_cos - long_cos[:original]).abs().max() > 1e-2  # the two tables differ
+
+
+def test_phi3_refuses_tensor_parallel():
+    from tp import Shard
+
+    with pytest.raises(ValueError, match="fused qkv_proj/gate_up_proj"):
+        Shard(0, 2).args(hf_to_ours(make_hf("phi3-longrope")).args)
 
 
 # ---- GGUF files with llama.cpp's qwen2 / qwen3 names ----
@@ -168,3 +215,34 @@ def test_q4_0_gguf_loads_as_int4_codes(tmp_path, arch):
 def test_unknown_gguf_architecture_names_the_supported_ones():
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3"):
         ModelArgs.from_gguf({"general.architecture": "gpt2"}, set())
+
+
+PHI3_CONFIG = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 10, "hidden_size": 16, "num_hidden_layers": 1,
+               "num_attention_heads": 2, "intermediate_size": 16, "max_position_embeddings": 64,
+               "original_max_position_embeddings": 16}
+
+
+def test_phi3_su_rope_and_partial_rotary_from_config_json():
+    """Phi-3's first configs call longrope `su`; Phi-4-mini sets partial_rotary_factor at the top level."""
+    args = ModelArgs.from_hf_config({**PHI3_CONFIG, "partial_rotary_factor": 0.5, "rope_scaling": {
+        "type": "su", "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]}})
+    assert args.rope_dim == 4 and args.fused_checkpoint and args.rope_scaling == {
+        "rope_type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0],
+        "original_max_position_embeddings": 16, "factor": 4.0}
+
+
+@pytest.mark.parametrize("scaling, message", [
+    ({"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 4},
+     r"needs rope_scaling short_factor, a list of 4 numbers, got \[1.0, 1.0, 1.0\]"),
+    ({"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0, 1.0, -1.0, 1.0]},
+     "rope_scaling long_factor entry must be a positive number, got -1.0"),
+])
+def test_longrope_errors(scaling, message):
+    with pytest.raises(ValueError, match=message):
+        ModelArgs.from_hf_config({**PHI3_CONFIG, "rope_scaling": scaling})
+
+
+def test_unknown_architecture_names_the_supported_ones():
+    with pytest.raises(ValueError, match=r"unsupported architecture 'Gemma3ForCausalLM'; supported: .*"
+                                         r"Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM"):
+        ModelArgs.from_hf_config({**PHI3_CONFIG, "architectures": ["Gemma3ForCausalLM"]})

@@ -31,8 +31,20 @@ CONFIGS = {
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "qwen3": ("qwen3", dict(head_dim=24)),
     "qwen3-tied": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
+    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; longrope past the original context (the long factors
+    # and attention factor sqrt(1 + ln 16 / ln 16)) and within it (short factors), with a window; Phi-4-mini's
+    # partial rotary (12 of 16 dims, GQA) with tied embeddings
+    "phi3-longrope": ("phi3", dict(original_max_position_embeddings=16, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0 + i / 10 for i in range(8)],
+        "long_factor": [1.5 + i for i in range(8)]})),
+    "phi3-short-window": ("phi3", dict(max_position_embeddings=256, original_max_position_embeddings=256,
+                                       sliding_window=16, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0 + i / 5 for i in range(8)], "long_factor": [9.0] * 8})),
+    "phi4-mini-partial": ("phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                       original_max_position_embeddings=32, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.1] * 6, "long_factor": [1.0 + i for i in range(6)]})),
 }
-RANDOM_VECTORS = ("qwen2", "qwen3")  # families whose biases and norm weights are drawn at random, not 0 and 1
+RANDOM_VECTORS = ("qwen2", "qwen3", "phi3")  # families whose biases and norm weights are drawn at random, not 0 and 1
 
 
 def make_hf(name: str, seed: int = 0):
@@ -40,10 +52,12 @@ def make_hf(name: str, seed: int = 0):
     import transformers
 
     family, extra = CONFIGS[name]
-    prefix = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    prefix = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+              "phi3": "Phi3"}[family]
     config_cls, model_cls = getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
     kw = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+              pad_token_id=None,  # Phi-3's default (32000) is past the tiny vocabulary
               initializer_range=0.1)  # larger than the default so logits are O(1) and differences show
     kw.update(extra)
     torch.manual_seed(seed)

@@ -7,7 +7,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "Phi3ForCausalLM")
+                 "Phi3ForCausalLM", "Gemma2ForCausalLM")
 WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # those whose sliding_window applies
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # llama.cpp's general.architecture
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
@@ -28,6 +28,25 @@ def positive_number(value, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{what} must be a positive number, got {value!r}")
     return value
+
+
+def gemma2_args(cfg: dict, n_layers: int) -> dict:
+    """The ModelArgs fields a Gemma 2 config.json sets; layer_types unset: every other layer windowed, from the
+    first (transformers' default)."""
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"config.json layer_types must list sliding_attention or full_attention for each of the "
+                         f"{n_layers} layers, got {types!r}")
+
+    def number(key: str, default: float | None) -> float | None:
+        value = cfg.get(key, default)
+        return None if value is None else positive_number(value, f"config.json {key}")
+
+    return dict(norm_plus_one=True, embed_scale=True, sandwich_norms=True,
+                sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+                attn_scale=number("query_pre_attn_scalar", 256) ** -0.5,
+                attn_softcap=number("attn_logit_softcapping", 50.0),
+                final_softcap=number("final_logit_softcapping", 30.0))
 
 
 @dataclass
@@ -52,6 +71,15 @@ class ModelArgs:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused, as we run them
     rope_dim: int | None = None  # dims of each head RoPE rotates, the first ones (Phi-4-mini: 3/4); None: head_dim
+    # Gemma 2
+    mlp_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    norm_plus_one: bool = False  # RMSNorm weights stored as w - 1: the norm scales by (1 + w)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(dim)
+    sandwich_norms: bool = False  # pre- and post-norms around attention and around the MLP
+    sliding_layers: tuple[int, ...] | None = None  # the layers sliding_window applies to; None: all of them
+    attn_scale: float | None = None  # the scores' scale (query_pre_attn_scalar ** -0.5); None: 1 / sqrt(head_dim)
+    attn_softcap: float | None = None  # attention scores soft-capped: c * tanh(s / c)
+    final_softcap: float | None = None  # logits soft-capped likewise
 
     def __post_init__(self):
         """The checks every source (config.json, GGUF metadata) needs: what would otherwise fail later, inside
@@ -103,8 +131,11 @@ class ModelArgs:
             raise ValueError(f"config.json architectures must be a list, got {archs!r}")
         if archs[0] not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(ARCHITECTURES)}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; supported: 'silu'")
+        gemma = archs[0] == "Gemma2ForCausalLM"
+        act_key = "hidden_activation" if gemma else "hidden_act"  # Gemma 2's hidden_act is not the one it uses
+        act = cfg.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported {act_key} {act!r}; supported: 'silu', 'gelu_pytorch_tanh'")
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # Qwen2's q/k/v biases need no key: it always has them
             raise ValueError("unsupported config: attention_bias/mlp_bias must be false")
         if cfg.get("use_sliding_window"):  # Qwen: a window on the layers past max_window_layers only
@@ -154,7 +185,7 @@ class ModelArgs:
             rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
             max_seq_len=size("max_position_embeddings", 4096),
             # Qwen's config.json sets sliding_window but uses it only with use_sliding_window
-            sliding_window=size("sliding_window") if archs[0] in WINDOWED else None,
+            sliding_window=size("sliding_window") if archs[0] in WINDOWED + ("Gemma2ForCausalLM",) else None,
             tie_embeddings=tie,
             n_experts=size("num_local_experts", 8) if moe else None,
             n_experts_per_token=size("num_experts_per_tok", 2) if moe else 2,
@@ -162,6 +193,7 @@ class ModelArgs:
             qk_norm=archs[0] == "Qwen3ForCausalLM",
             fused_checkpoint=archs[0] == "Phi3ForCausalLM",
             rope_dim=None if partial == 1 else int(head_dim * partial),  # rounded down, as transformers does
+            **(gemma2_args(cfg, size("num_hidden_layers")) if gemma else {}), mlp_act=act,
         )
 
     @classmethod
@@ -221,8 +253,8 @@ class ModelArgs:
         if self.rope_freq_factors is not None:
             raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
                              "cannot express; save from the Hugging Face checkpoint instead")
-        if self.sliding_window is not None:
-            raise ValueError("sliding-window models are saved from their Hugging Face folder, not from GGUF")
+        if self.sliding_window is not None or self.norm_plus_one:
+            raise ValueError("sliding-window and Gemma models are saved from their Hugging Face folder, not from GGUF")
         moe = self.n_experts is not None
         model_type = ("mixtral" if moe else "qwen2" if self.qkv_bias else "qwen3" if self.qk_norm else
                       "phi3" if self.fused_checkpoint else "llama")

@@ -17,6 +17,7 @@ from tiny_models import SEQ_LEN, hf_to_ours, llama_gguf_writer, make_hf
 
 QWEN = ["qwen2", "qwen2-tied", "qwen3", "qwen3-tied"]
 PHI = ["phi3-longrope", "phi3-short-window", "phi4-mini-partial"]
+GEMMA = ["gemma2", "gemma2-untied-gqa1"]
 
 
 def tokens(seq: int = SEQ_LEN, seed: int = 1) -> torch.Tensor:
@@ -36,7 +37,7 @@ def test_qwen_biases_and_norms_reach_the_model():
     assert ours3.layers[0].self_attn.qkv_proj.bias is None and ours.layers[0].self_attn.q_norm is None
 
 
-@pytest.mark.parametrize("name", QWEN + PHI)
+@pytest.mark.parametrize("name", QWEN + PHI + GEMMA)
 def test_folder_matches_transformers(tmp_path, name):
     hf = make_hf(name)
     hf.save_pretrained(tmp_path)
@@ -47,7 +48,7 @@ def test_folder_matches_transformers(tmp_path, name):
         assert ModelArgs.from_hf_config(model.args.to_hf_config()) == model.args
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3-tied", "phi4-mini-partial"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3-tied", "phi4-mini-partial", "gemma2"])
 @pytest.mark.parametrize("mode", ["int8", "int4:32"])
 def test_quantized_qwen(tmp_path, name, mode):
     """Quantizing at load gives quantize_model's tensors (the biases kept in float, not padded); an exported folder
@@ -78,10 +79,10 @@ def test_quantized_qwen(tmp_path, name, mode):
     assert (q - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi4-mini-partial"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi4-mini-partial", "gemma2"])
 def test_compiled_blocks_decode_matches_eager(name):
     """--compile blocks (the CPU default): the one-row Linear's multiply-and-sum with its bias, the q/k norms,
-    partial rotary."""
+    partial rotary, Gemma 2's written-out attention and its pair of masks."""
     from step import Step
 
     model = hf_to_ours(make_hf(name))
@@ -131,6 +132,31 @@ def test_longrope_factors_follow_the_context(name):
     short_cos, short_sin = hf_rope(hf, torch.arange(original))
     assert (short.rope_cos - short_cos).abs().max() <= 1e-6 and (short.rope_sin - short_sin).abs().max() <= 1e-6
     assert (short_cos - long_cos[:original]).abs().max() > 1e-2  # the two tables differ
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_written_attention_matches_reference_without_a_cap(window):
+    """Gemma 2's written-out attention is plain attention when it neither caps nor rescales the scores."""
+    from model import attention_mask, written_attention
+    from tiny_models import reference_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 9, 16, generator=g)  # (B, H, T, D)
+    k, v = torch.randn(2, 3, 20, 16, generator=g), torch.randn(2, 3, 20, 16, generator=g)  # (B, K, S, D)
+    for mask in (attention_mask(torch.arange(11, 20), torch.arange(20), window),
+                 attention_mask(torch.arange(11, 20).expand(2, 9), torch.arange(20), window)[:, None]):
+        got = written_attention(q, k, v, mask, 16 ** -0.5, None)
+        assert (got - reference_attention(q, k, v, mask)).abs().max() <= 1e-5
+
+
+def test_gemma2_layer_types_checked():
+    cfg = {"architectures": ["Gemma2ForCausalLM"], "vocab_size": 10, "hidden_size": 16, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "intermediate_size": 16, "head_dim": 8}
+    args = ModelArgs.from_hf_config(cfg)
+    assert (args.sliding_layers, args.attn_softcap, args.final_softcap, args.mlp_act) == ((0,), 50.0, 30.0,
+                                                                                          "gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match="layer_types must list sliding_attention or full_attention for each"):
+        ModelArgs.from_hf_config({**cfg, "layer_types": ["full_attention"]})
 
 
 def test_phi3_refuses_tensor_parallel():

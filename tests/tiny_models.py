@@ -43,8 +43,16 @@ CONFIGS = {
     "phi4-mini-partial": ("phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True,
                                        original_max_position_embeddings=32, rope_scaling={
         "rope_type": "longrope", "short_factor": [1.1] * 6, "long_factor": [1.0 + i for i in range(6)]})),
+    # Gemma 2: GeGLU, (1 + w) norms, scaled embeddings, sandwich norms, soft-capped attention and logits (caps
+    # low enough to bite on these scores), alternating windowed/full layers, query_pre_attn_scalar != head_dim;
+    # then untied, one kv head, its own layer_types and the default caps
+    "gemma2": ("gemma2", dict(num_hidden_layers=3, head_dim=16, sliding_window=16, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma2-untied-gqa1": ("gemma2", dict(head_dim=24, num_key_value_heads=1, sliding_window=24,
+                                          tie_word_embeddings=False,
+                                          layer_types=["full_attention", "sliding_attention"])),
 }
-RANDOM_VECTORS = ("qwen2", "qwen3", "phi3")  # families whose biases and norm weights are drawn at random, not 0 and 1
+RANDOM_VECTORS = ("qwen2", "qwen3", "phi3", "gemma2")  # families whose biases and norm weights are drawn at random, not 0 and 1
 
 
 def make_hf(name: str, seed: int = 0):
@@ -53,7 +61,7 @@ def make_hf(name: str, seed: int = 0):
 
     family, extra = CONFIGS[name]
     prefix = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-              "phi3": "Phi3"}[family]
+              "phi3": "Phi3", "gemma2": "Gemma2"}[family]
     config_cls, model_cls = getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
     kw = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
@@ -66,7 +74,8 @@ def make_hf(name: str, seed: int = 0):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.dim() == 1:
-                    p.normal_(0.0 if name.endswith(".bias") else 1.0, 0.1)  # a bias, or a norm's weight
+                    mean = 0.0 if name.endswith(".bias") or family == "gemma2" else 1.0  # Gemma's norms store w - 1
+                    p.normal_(mean, 0.1)  # a bias, or a norm's weight
     return model
 
 

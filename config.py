@@ -9,7 +9,7 @@ from dataclasses import dataclass
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                  "Phi3ForCausalLM", "Gemma2ForCausalLM")
 WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # those whose sliding_window applies
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # llama.cpp's general.architecture
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # llama.cpp's general.architecture
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -197,10 +197,12 @@ class ModelArgs:
         )
 
     @classmethod
-    def from_gguf(cls, meta: dict, tensor_names: Collection[str]) -> "ModelArgs":
+    def from_gguf(cls, meta: dict, tensor_names: Collection[str],
+                  longrope: dict[str, list[float]] | None = None) -> "ModelArgs":
         """Fill from GGUF metadata (one of GGUF_ARCHITECTURES; keys under its name, `qwen2.block_count`) and the
         file's tensor names; a missing or mistyped key is a ValueError naming it. rope_freq_factors (a Llama 3.1
-        file's `rope_freqs` tensor) is the loader's."""
+        file's `rope_freqs` tensor) is the loader's; longrope: a Phi-3 file's rope_factors_{long,short} tensors, as
+        {"long_factor": [...], "short_factor": [...]}."""
         arch = meta.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
@@ -223,6 +225,13 @@ class ModelArgs:
         rope_scaling = None
         if scaling_type == "linear":
             rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
+        if longrope:  # as llama.cpp's converter writes Phi-3's: the factors as tensors, the context they extend
+            original = size("rope.scaling.original_context_length")
+            rope_scaling = {"rope_type": "longrope", **longrope, "original_max_position_embeddings": original,
+                            "factor": size("context_length", 4096) / original}
+            if f"{arch}.rope.scaling.attn_factor" in meta:
+                rope_scaling["attention_factor"] = number("rope.scaling.attn_factor", None)
+        head_dim = size("attention.key_length") if f"{arch}.attention.key_length" in meta else None
         n_heads = size("attention.head_count")
         n_experts = size("expert_count") if meta.get(f"{arch}.expert_count", 0) != 0 else None  # Mixtral: > 0
         args = cls(
@@ -232,7 +241,7 @@ class ModelArgs:
             n_heads=n_heads,
             hidden_dim=size("feed_forward_length"),
             n_kv_heads=size("attention.head_count_kv", n_heads),
-            head_dim=size("attention.key_length") if f"{arch}.attention.key_length" in meta else None,
+            head_dim=head_dim,
             norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=number("rope.freq_base", 10000.0),
             rope_scaling=rope_scaling,
@@ -242,8 +251,12 @@ class ModelArgs:
             n_experts_per_token=size("expert_used_count", 2) if n_experts else 2,
             qkv_bias=arch == "qwen2",
             qk_norm=arch == "qwen3",
+            fused_checkpoint=arch == "phi3",  # attn_qkv, and ffn_up holding gate | up
+            sliding_window=size("attention.sliding_window") if meta.get(f"{arch}.attention.sliding_window") else None,
+            rope_dim=size("rope.dimension_count") if arch == "phi3" and f"{arch}.rope.dimension_count" in meta
+            else None,  # Phi-4-mini's partial rotary
         )
-        if meta.get(f"{arch}.rope.dimension_count", args.head_dim) != args.head_dim:
+        if meta.get(f"{arch}.rope.dimension_count", args.rope_dim) != args.rope_dim:
             raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")
         return args
 

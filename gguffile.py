@@ -40,6 +40,8 @@ GGUF_BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # Mixtral's router
 }
+# an architecture's own block names: Phi-3's fused linears, stored as we run them (ffn_up holds gate | up)
+GGUF_ARCH_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # (E, N, K)
 # tensor types GGUFReader returns as numbers; every other type (BF16, the quantized blocks) as rows of bytes
 NUMERIC = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
@@ -142,9 +144,10 @@ class ExpertSlice:
     tensor_type: object
 
 
-def named_tensors(file_tensors: list[GGUFTensor]) -> tuple[dict, dict[str, tuple]]:
+def named_tensors(file_tensors: list[GGUFTensor], arch: str = "llama") -> tuple[dict, dict[str, tuple]]:
     """The file's tensors under our names ({name: GGUFTensor or ExpertSlice}) and their torch shapes: a stacked
-    `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C)."""
+    `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C); a phi3 file's
+    `blk.3.ffn_up.weight` is `layers.3.mlp.gate_up_proj.weight`."""
     tensors, shapes = {}, {}
     for t in file_tensors:
         shape = t.shape
@@ -154,7 +157,10 @@ def named_tensors(file_tensors: list[GGUFTensor]) -> tuple[dict, dict[str, tuple
                 name = f"layers.{parts[1]}.mlp.experts.{e}.{GGUF_EXPERT_NAMES[parts[2]]}.{parts[3]}"
                 tensors[name], shapes[name] = ExpertSlice(t.data[e], t.tensor_type), shape[1:]
             continue
-        name = tensor_name(t.name)
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_ARCH_NAMES.get(arch, {}):
+            name = f"layers.{parts[1]}.{GGUF_ARCH_NAMES[arch][parts[2]]}.{parts[3]}"
+        else:
+            name = tensor_name(t.name)
         tensors[name], shapes[name] = t, shape
     return tensors, shapes
 

@@ -393,18 +393,22 @@ def with_rope_freqs(args: ModelArgs, rope_freqs, path: str) -> ModelArgs:
 
 
 def load_gguf(path: str, device, dtype: torch.dtype, progress: bool, request: Request, shard) -> Transformer:
-    """A GGUF file (llama, qwen2 or qwen3 architecture): dequantized to dtype with the gguf package (or, with a mode,
+    """A GGUF file (config.GGUF_ARCHITECTURES): dequantized to dtype with the gguf package (or, with a mode,
     from float32 straight to int8/int4 codes), or its Q4 linears and Q8_0 head as their codes (GGUFRoutes)."""
     try:
         meta, file_tensors = gguffile.read_gguf(path)
     except (ValueError, OSError) as e:
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from None
-    full_args = ModelArgs.from_gguf(meta, {t.name for t in file_tensors})
+    longrope = {f"{kind}_factor": [float(x) for x in t.data] for t in file_tensors for kind in ("long", "short")
+                if t.name == f"rope_factors_{kind}.weight"}  # Phi-3's, a few numbers each
+    full_args = ModelArgs.from_gguf(meta, {t.name for t in file_tensors}, longrope or None)
     arch = meta["general.architecture"]
     del meta  # the vocabulary's ~100k strings are not needed any more
-    tensors, full_shapes = gguffile.named_tensors(file_tensors)
+    tensors, full_shapes = gguffile.named_tensors(file_tensors, arch)
     full_args = with_rope_freqs(full_args, tensors.pop("rope_freqs.weight", None), path)
-    full_shapes.pop("rope_freqs.weight", None)
+    for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        tensors.pop(name, None)
+        full_shapes.pop(name, None)
     with torch.device("meta"):
         model = Transformer(shard.args(full_args) if shard else full_args)
     shapes = {k: shard.local_shape(k, v, full_args) for k, v in full_shapes.items()} if shard else full_shapes

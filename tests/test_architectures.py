@@ -3,15 +3,16 @@ quantized (at load and exported), compiled decode steps, GGUF files written with
 config.json written back. Their parity with transformers (eager, cached, batched) is test_model.py's, over CONFIGS."""
 import copy
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 import torch
 
-from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
+from gguffile import GGUF_ARCH_NAMES, GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
 from kvcache import KVCache
 from load import load_model
-from model import ModelArgs
+from model import ModelArgs, rope_attention_factor
 from quantize import quantize_model
 from tiny_models import SEQ_LEN, hf_to_ours, llama_gguf_writer, make_hf
 
@@ -166,18 +167,30 @@ def test_phi3_refuses_tensor_parallel():
         Shard(0, 2).args(hf_to_ours(make_hf("phi3-longrope")).args)
 
 
-# ---- GGUF files with llama.cpp's qwen2 / qwen3 names ----
+# ---- GGUF files with llama.cpp's qwen2 / qwen3 / phi3 names ----
 
 def write_gguf(path, hf, arch: str, linear_type: str = "F32") -> str:
-    """`hf` as llama.cpp's converter writes a qwen2/qwen3 file: its tensor names (biases attn_q.bias, norms
-    attn_q_norm), q/k rows as they are (these architectures use half-rotation RoPE in llama.cpp, so no permutation),
-    block linears in linear_type, a tied model without `output`."""
+    """`hf` as llama.cpp's converter writes a qwen2/qwen3/phi3 file: its tensor names (biases attn_q.bias, norms
+    attn_q_norm; phi3's fused attn_qkv and ffn_up), q/k rows as they are (these architectures use half-rotation
+    RoPE in llama.cpp, so no permutation), block linears in linear_type, a tied model without `output`; phi3's
+    longrope as rope_factors_long/short tensors, its original context and attention factor, its rotary dims."""
     import gguf
 
     cfg = hf.config
     writer = llama_gguf_writer(path, cfg, arch)
     top = {v: k for k, v in GGUF_TOP_NAMES.items()}
-    block = {v: k for k, v in GGUF_BLOCK_NAMES.items()}
+    block = {v: k for k, v in {**GGUF_BLOCK_NAMES, **GGUF_ARCH_NAMES.get(arch, {})}.items()}
+    if arch == "phi3":
+        rope = cfg.rope_parameters
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        original = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     for name, t in hf.state_dict().items():
         name = name.removeprefix("model.")
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -200,13 +213,20 @@ def write_gguf(path, hf, arch: str, linear_type: str = "F32") -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("name", QWEN)
+@pytest.mark.parametrize("name", QWEN + PHI)
 def test_gguf_matches_transformers(tmp_path, name):
     hf = make_hf(name)
-    arch = name.split("-")[0]
+    arch = {"qwen2": "qwen2", "qwen3": "qwen3"}.get(name.split("-")[0], "phi3")
     model, _ = load_model(write_gguf(tmp_path / f"{name}.gguf", hf, arch), "cpu", torch.float32)
-    want = hf_to_ours(hf).args
-    assert model.args == dataclasses.replace(want, norm_eps=model.args.norm_eps)  # GGUF holds eps as float32
+    want, got = hf_to_ours(hf).args, model.args
+    if want.rope_scaling:  # GGUF holds the factors and the attention factor as float32
+        scaling = dict(got.rope_scaling)
+        assert scaling.pop("attention_factor") == pytest.approx(rope_attention_factor(want), rel=1e-6)
+        assert scaling.keys() == want.rope_scaling.keys() and scaling["rope_type"] == "longrope"
+        for key in ("short_factor", "long_factor", "factor", "original_max_position_embeddings"):
+            assert scaling[key] == pytest.approx(want.rope_scaling[key], rel=1e-6)
+        got = dataclasses.replace(got, rope_scaling=want.rope_scaling)
+    assert got == dataclasses.replace(want, norm_eps=got.norm_eps)  # GGUF holds eps as float32
     toks = tokens()
     assert (model(toks, torch.arange(SEQ_LEN), all_logits=True) - hf(toks).logits).abs().max() <= 1e-4
 
@@ -239,7 +259,7 @@ def test_q4_0_gguf_loads_as_int4_codes(tmp_path, arch):
 
 
 def test_unknown_gguf_architecture_names_the_supported_ones():
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen2, qwen3, phi3"):
         ModelArgs.from_gguf({"general.architecture": "gpt2"}, set())
 
 

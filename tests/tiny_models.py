@@ -52,7 +52,7 @@ CONFIGS = {
                                           tie_word_embeddings=False,
                                           layer_types=["full_attention", "sliding_attention"])),
 }
-RANDOM_VECTORS = ("qwen2", "qwen3", "phi3", "gemma2")  # families whose biases and norm weights are drawn at random, not 0 and 1
+RANDOM_VECTORS = ("qwen2", "qwen3", "phi3", "gemma2")  # families whose biases and norm weights are drawn at random
 
 
 def make_hf(name: str, seed: int = 0):

@@ -300,12 +300,12 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, i: int):
         super().__init__()
-        norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)  # noqa: E731
-        self.input_layernorm = norm()
+        norm = (args.dim, args.norm_eps, args.norm_plus_one)  # each RMSNorm's arguments
+        self.input_layernorm = RMSNorm(*norm)
         self.self_attn = Attention(args)
-        self.post_attention_layernorm = norm()  # before the MLP; Gemma 2: after attention (sandwich norms)
+        self.post_attention_layernorm = RMSNorm(*norm)  # before the MLP; Gemma 2: after attention (sandwich norms)
         if args.sandwich_norms:
-            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = RMSNorm(*norm), RMSNorm(*norm)
         self.mlp = MLP(args) if args.n_experts is None else MoE(args)
         self.sandwich = args.sandwich_norms
         # Gemma 2: only some layers see a sliding window; they take the second of Transformer.inputs' two masks.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                  "Phi3ForCausalLM", "Gemma2ForCausalLM")
 WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # those whose sliding_window applies
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # llama.cpp's general.architecture
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")  # llama.cpp's general.architecture
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -47,6 +47,21 @@ def gemma2_args(cfg: dict, n_layers: int) -> dict:
                 attn_scale=number("query_pre_attn_scalar", 256) ** -0.5,
                 attn_softcap=number("attn_logit_softcapping", 50.0),
                 final_softcap=number("final_logit_softcapping", 30.0))
+
+
+def gemma2_gguf_args(meta: dict, n_layers: int, dim_per_head: int, head_dim: int | None) -> dict:
+    """The ModelArgs fields of a gemma2 GGUF as llama.cpp reads it: its converter stored the norms as 1 + w (so they
+    scale by the weight as stored); every other layer windowed, from the first (4096 unless the file says); no
+    query_pre_attn_scalar in the file: llama.cpp takes n_embd / n_head for the 46-layer Gemma 2 27B, the head dim
+    for the others."""
+    caps = [meta.get(f"gemma2.{key}", default) for key, default in
+            (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0))]
+    for key, cap in zip(("attn_logit_softcapping", "final_logit_softcapping"), caps):
+        positive_number(cap, f"GGUF metadata gemma2.{key}")
+    return dict(mlp_act="gelu_pytorch_tanh", embed_scale=True, sandwich_norms=True,
+                sliding_layers=tuple(range(0, n_layers, 2)),
+                attn_scale=(dim_per_head if n_layers == 46 else head_dim or dim_per_head) ** -0.5,
+                attn_softcap=caps[0], final_softcap=caps[1])
 
 
 @dataclass
@@ -232,6 +247,7 @@ class ModelArgs:
             if f"{arch}.rope.scaling.attn_factor" in meta:
                 rope_scaling["attention_factor"] = number("rope.scaling.attn_factor", None)
         head_dim = size("attention.key_length") if f"{arch}.attention.key_length" in meta else None
+        window = meta.get(f"{arch}.attention.sliding_window") or (4096 if arch == "gemma2" else 0)  # 0: none (phi3)
         n_heads = size("attention.head_count")
         n_experts = size("expert_count") if meta.get(f"{arch}.expert_count", 0) != 0 else None  # Mixtral: > 0
         args = cls(
@@ -252,9 +268,11 @@ class ModelArgs:
             qkv_bias=arch == "qwen2",
             qk_norm=arch == "qwen3",
             fused_checkpoint=arch == "phi3",  # attn_qkv, and ffn_up holding gate | up
-            sliding_window=size("attention.sliding_window") if meta.get(f"{arch}.attention.sliding_window") else None,
+            sliding_window=positive_int(window, f"GGUF metadata {arch}.attention.sliding_window") if window else None,
             rope_dim=size("rope.dimension_count") if arch == "phi3" and f"{arch}.rope.dimension_count" in meta
             else None,  # Phi-4-mini's partial rotary
+            **(gemma2_gguf_args(meta, size("block_count"), size("embedding_length") // n_heads, head_dim)
+               if arch == "gemma2" else {}),
         )
         if meta.get(f"{arch}.rope.dimension_count", args.rope_dim) != args.rope_dim:
             raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")
@@ -266,7 +284,7 @@ class ModelArgs:
         if self.rope_freq_factors is not None:
             raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
                              "cannot express; save from the Hugging Face checkpoint instead")
-        if self.sliding_window is not None or self.norm_plus_one:
+        if self.sliding_window is not None or self.sandwich_norms:
             raise ValueError("sliding-window and Gemma models are saved from their Hugging Face folder, not from GGUF")
         moe = self.n_experts is not None
         model_type = ("mixtral" if moe else "qwen2" if self.qkv_bias else "qwen3" if self.qk_norm else

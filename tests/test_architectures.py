@@ -308,3 +308,44 @@ def test_generation_loops(name):
     spec = [t.id for t in speculative.generate(model, speculative.ModelDraft(other, model), prompt,
                                                 max_new_tokens=24, k=3)]
     assert spec == plain
+
+
+def test_gemma2_gguf_matches_transformers(tmp_path):
+    """A gemma2 file as llama.cpp's converter writes it: norms stored as 1 + w, its own norm names, no `output`
+    (always tied), soft-caps and window in the metadata, every other layer windowed from the first; the scale is
+    the head dim's (query_pre_attn_scalar = head_dim, as llama.cpp assumes for all but the 27B)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=24,
+                       sliding_window=16, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                       max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1, pad_token_id=None)
+    hf = Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.normal_(0.0, 0.1)
+    writer = llama_gguf_writer(tmp_path / "g.gguf", cfg, "gemma2")
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    top = {v: k for k, v in GGUF_TOP_NAMES.items()}
+    block = {v: k for k, v in {**GGUF_BLOCK_NAMES, **GGUF_ARCH_NAMES["gemma2"]}.items()}
+    for name, t in hf.state_dict().items():
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight":
+            continue
+        parts = name.split(".")
+        gguf_name = (f"blk.{parts[1]}.{block['.'.join(parts[2:-1])]}.weight" if parts[0] == "layers"
+                     else f"{top[parts[0]]}.weight")
+        w = t.float().numpy() + (1.0 if name.endswith("norm.weight") else 0.0)  # the converter's 1 + w
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model, _ = load_model(str(tmp_path / "g.gguf"), "cpu", torch.float32)
+    assert model.args.sliding_layers == (0, 2) and model.args.tie_embeddings and not model.args.norm_plus_one
+    toks = tokens()
+    assert (model(toks, torch.arange(SEQ_LEN), all_logits=True) - hf(toks).logits).abs().max() <= 1e-4

@@ -349,3 +349,23 @@ def test_gemma2_gguf_matches_transformers(tmp_path):
     assert model.args.sliding_layers == (0, 2) and model.args.tie_embeddings and not model.args.norm_plus_one
     toks = tokens()
     assert (model(toks, torch.arange(SEQ_LEN), all_logits=True) - hf(toks).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+def test_compiled_full_decode_matches_eager(name):
+    """--compile full: the whole decode step as one graph (the bias, the written-out attention and its mask pair)."""
+    import torch._dynamo
+
+    from step import Step, eager
+
+    model = hf_to_ours(make_hf(name))
+    torch._dynamo.reset()
+    compiled = Step(model, "full")
+    caches = [KVCache.for_model(model.args, 1, 24, torch.float32, "cpu") for _ in range(2)]
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    a, b = eager(model, prompt, torch.arange(5), caches[0]), compiled(prompt, torch.arange(5), caches[1])
+    for pos in range(5, 20):
+        token = a.argmax(-1, keepdim=True)
+        a, b = eager(model, token, torch.tensor([pos]), caches[0]), compiled(token, torch.tensor([pos]), caches[1])
+        assert (a - b).abs().max() <= 1e-4

@@ -6,10 +6,14 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "Phi3ForCausalLM", "Gemma2ForCausalLM")
+WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # those whose sliding_window applies
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")  # llama.cpp's general.architecture
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
-               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+               "longrope": ("original_max_position_embeddings",)}  # and its short_factor, long_factor lists
 
 
 def positive_int(value, what: str) -> int:
@@ -24,6 +28,40 @@ def positive_number(value, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{what} must be a positive number, got {value!r}")
     return value
+
+
+def gemma2_args(cfg: dict, n_layers: int) -> dict:
+    """The ModelArgs fields a Gemma 2 config.json sets; layer_types unset: every other layer windowed, from the
+    first (transformers' default)."""
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"config.json layer_types must list sliding_attention or full_attention for each of the "
+                         f"{n_layers} layers, got {types!r}")
+
+    def number(key: str, default: float | None) -> float | None:
+        value = cfg.get(key, default)
+        return None if value is None else positive_number(value, f"config.json {key}")
+
+    return dict(norm_plus_one=True, embed_scale=True, sandwich_norms=True,
+                sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+                attn_scale=number("query_pre_attn_scalar", 256) ** -0.5,
+                attn_softcap=number("attn_logit_softcapping", 50.0),
+                final_softcap=number("final_logit_softcapping", 30.0))
+
+
+def gemma2_gguf_args(meta: dict, n_layers: int, dim_per_head: int, head_dim: int | None) -> dict:
+    """The ModelArgs fields of a gemma2 GGUF as llama.cpp reads it: its converter stored the norms as 1 + w (so they
+    scale by the weight as stored); every other layer windowed, from the first (4096 unless the file says); no
+    query_pre_attn_scalar in the file: llama.cpp takes n_embd / n_head for the 46-layer Gemma 2 27B, the head dim
+    for the others."""
+    caps = [meta.get(f"gemma2.{key}", default) for key, default in
+            (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0))]
+    for key, cap in zip(("attn_logit_softcapping", "final_logit_softcapping"), caps):
+        positive_number(cap, f"GGUF metadata gemma2.{key}")
+    return dict(mlp_act="gelu_pytorch_tanh", embed_scale=True, sandwich_norms=True,
+                sliding_layers=tuple(range(0, n_layers, 2)),
+                attn_scale=(dim_per_head if n_layers == 46 else head_dim or dim_per_head) ** -0.5,
+                attn_softcap=caps[0], final_softcap=caps[1])
 
 
 @dataclass
@@ -44,6 +82,19 @@ class ModelArgs:
     tie_embeddings: bool = False
     n_experts: int | None = None  # Mixtral: a sparse mixture of SwiGLU experts per layer; None: one dense MLP
     n_experts_per_token: int = 2  # Mixtral: experts each token is routed to (top-k)
+    qkv_bias: bool = False  # Qwen2: q_proj, k_proj and v_proj have biases
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused, as we run them
+    rope_dim: int | None = None  # dims of each head RoPE rotates, the first ones (Phi-4-mini: 3/4); None: head_dim
+    # Gemma 2
+    mlp_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    norm_plus_one: bool = False  # RMSNorm weights stored as w - 1: the norm scales by (1 + w)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(dim)
+    sandwich_norms: bool = False  # pre- and post-norms around attention and around the MLP
+    sliding_layers: tuple[int, ...] | None = None  # the layers sliding_window applies to; None: all of them
+    attn_scale: float | None = None  # the scores' scale (query_pre_attn_scalar ** -0.5); None: 1 / sqrt(head_dim)
+    attn_softcap: float | None = None  # attention scores soft-capped: c * tanh(s / c)
+    final_softcap: float | None = None  # logits soft-capped likewise
 
     def __post_init__(self):
         """The checks every source (config.json, GGUF metadata) needs: what would otherwise fail later, inside
@@ -55,8 +106,13 @@ class ModelArgs:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} "
                              "key/value heads")
+        if self.rope_dim is None:
+            self.rope_dim = self.head_dim
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} is odd; rotary embeddings rotate pairs of dimensions")
+        if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
+            raise ValueError(f"{self.rope_dim} rotary dims of head dim {self.head_dim}: rotary embeddings rotate "
+                             "pairs of a head's dimensions")
         scaling = self.rope_scaling or {}
         rope_type = scaling.get("rope_type", "default")
         if not isinstance(rope_type, str) or rope_type not in ROPE_PARAMS:
@@ -66,6 +122,13 @@ class ModelArgs:
             raise ValueError(f"rope type {rope_type!r} needs rope_scaling {', '.join(missing)}")
         for key in ROPE_PARAMS[rope_type]:
             positive_number(scaling[key], f"rope_scaling {key}")
+        for key in ("short_factor", "long_factor") if rope_type == "longrope" else ():
+            factors = scaling.get(key)
+            if not isinstance(factors, (list, tuple)) or len(factors) != self.rope_dim // 2:
+                raise ValueError(f"rope type 'longrope' needs rope_scaling {key}, a list of {self.rope_dim // 2} "
+                                 f"numbers, got {factors!r}")
+            for x in factors:
+                positive_number(x, f"rope_scaling {key} entry")
         if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
             raise ValueError(f"rope_scaling high_freq_factor {scaling['high_freq_factor']} must be greater than "
                              f"low_freq_factor {scaling['low_freq_factor']} (llama3 rope divides by their difference)")
@@ -74,7 +137,7 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        """Fill from a Hugging Face config.json (LlamaForCausalLM, MistralForCausalLM or MixtralForCausalLM).
+        """Fill from a Hugging Face config.json (one of ARCHITECTURES).
         A missing key or a value of the wrong type is a ValueError naming the key."""
         if not isinstance(cfg, dict):
             raise ValueError(f"config.json must hold a JSON object, not a {type(cfg).__name__}")
@@ -83,10 +146,15 @@ class ModelArgs:
             raise ValueError(f"config.json architectures must be a list, got {archs!r}")
         if archs[0] not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(ARCHITECTURES)}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; supported: 'silu'")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        gemma = archs[0] == "Gemma2ForCausalLM"
+        act_key = "hidden_activation" if gemma else "hidden_act"  # Gemma 2's hidden_act is not the one it uses
+        act = cfg.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported {act_key} {act!r}; supported: 'silu', 'gelu_pytorch_tanh'")
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # Qwen2's q/k/v biases need no key: it always has them
             raise ValueError("unsupported config: attention_bias/mlp_bias must be false")
+        if cfg.get("use_sliding_window"):  # Qwen: a window on the layers past max_window_layers only
+            raise ValueError("unsupported config: use_sliding_window must be false")
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                "intermediate_size") if cfg.get(k) is None]
         if missing:
@@ -104,6 +172,17 @@ class ModelArgs:
         rope = dict(rope)
         rope_theta = positive_number(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)), "config.json rope_theta")
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first configs
+        partial = positive_number(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)),
+                                  "config.json partial_rotary_factor")
+        if rope_type == "longrope" and cfg.get("original_max_position_embeddings") is not None:  # Phi-3 keeps it here
+            rope.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
+        if rope_type == "longrope" and "original_max_position_embeddings" in rope:
+            # the checkpoint's context extension, which sets the attention factor whatever context the model runs in
+            original = positive_int(rope["original_max_position_embeddings"],
+                                    "config.json original_max_position_embeddings")
+            rope.setdefault("factor", size("max_position_embeddings", 4096) / original)
+        head_dim = size("head_dim") or size("hidden_size") // size("num_attention_heads")
         tie = cfg.get("tie_word_embeddings", False)
         if not isinstance(tie, bool):
             raise ValueError(f"config.json tie_word_embeddings must be true or false, got {tie!r}")
@@ -120,40 +199,57 @@ class ModelArgs:
             rope_theta=rope_theta,
             rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
             max_seq_len=size("max_position_embeddings", 4096),
-            sliding_window=size("sliding_window") if archs[0] != "LlamaForCausalLM" else None,
+            # Qwen's config.json sets sliding_window but uses it only with use_sliding_window
+            sliding_window=size("sliding_window") if archs[0] in WINDOWED + ("Gemma2ForCausalLM",) else None,
             tie_embeddings=tie,
             n_experts=size("num_local_experts", 8) if moe else None,
             n_experts_per_token=size("num_experts_per_tok", 2) if moe else 2,
+            qkv_bias=archs[0] == "Qwen2ForCausalLM",
+            qk_norm=archs[0] == "Qwen3ForCausalLM",
+            fused_checkpoint=archs[0] == "Phi3ForCausalLM",
+            rope_dim=None if partial == 1 else int(head_dim * partial),  # rounded down, as transformers does
+            **(gemma2_args(cfg, size("num_hidden_layers")) if gemma else {}), mlp_act=act,
         )
 
     @classmethod
-    def from_gguf(cls, meta: dict, tensor_names: Collection[str]) -> "ModelArgs":
-        """Fill from GGUF metadata (llama architecture only) and the file's tensor names; a missing or mistyped key
-        is a ValueError naming it. rope_freq_factors (a Llama 3.1 file's `rope_freqs` tensor) is the loader's."""
+    def from_gguf(cls, meta: dict, tensor_names: Collection[str],
+                  longrope: dict[str, list[float]] | None = None) -> "ModelArgs":
+        """Fill from GGUF metadata (one of GGUF_ARCHITECTURES; keys under its name, `qwen2.block_count`) and the
+        file's tensor names; a missing or mistyped key is a ValueError naming it. rope_freq_factors (a Llama 3.1
+        file's `rope_freqs` tensor) is the loader's; longrope: a Phi-3 file's rope_factors_{long,short} tensors, as
+        {"long_factor": [...], "short_factor": [...]}."""
         arch = meta.get("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
         missing = [k for k in ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")
-                   if f"llama.{k}" not in meta]
-        if "llama.vocab_size" not in meta and "tokenizer.ggml.tokens" not in meta:
+                   if f"{arch}.{k}" not in meta]
+        if f"{arch}.vocab_size" not in meta and "tokenizer.ggml.tokens" not in meta:
             missing.append("vocab_size")
         if missing:
-            raise ValueError(f"GGUF metadata has no {', '.join('llama.' + k for k in missing)}")
+            raise ValueError(f"GGUF metadata has no {', '.join(f'{arch}.{k}' for k in missing)}")
 
         def size(key: str, default: int | None = None) -> int:
-            return positive_int(meta.get(f"llama.{key}", default), f"GGUF metadata llama.{key}")
+            return positive_int(meta.get(f"{arch}.{key}", default), f"GGUF metadata {arch}.{key}")
 
         def number(key: str, default: float) -> float:
-            return positive_number(meta.get(f"llama.{key}", default), f"GGUF metadata llama.{key}")
+            return positive_number(meta.get(f"{arch}.{key}", default), f"GGUF metadata {arch}.{key}")
 
-        scaling_type = meta.get("llama.rope.scaling.type", "none")
+        scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
         if scaling_type not in ("none", "linear"):
             raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear'")
         rope_scaling = None
         if scaling_type == "linear":
             rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
+        if longrope:  # as llama.cpp's converter writes Phi-3's: the factors as tensors, the context they extend
+            original = size("rope.scaling.original_context_length")
+            rope_scaling = {"rope_type": "longrope", **longrope, "original_max_position_embeddings": original,
+                            "factor": size("context_length", 4096) / original}
+            if f"{arch}.rope.scaling.attn_factor" in meta:
+                rope_scaling["attention_factor"] = number("rope.scaling.attn_factor", None)
+        head_dim = size("attention.key_length") if f"{arch}.attention.key_length" in meta else None
+        window = meta.get(f"{arch}.attention.sliding_window") or (4096 if arch == "gemma2" else 0)  # 0: none (phi3)
         n_heads = size("attention.head_count")
-        n_experts = size("expert_count") if meta.get("llama.expert_count", 0) != 0 else None  # Mixtral: > 0
+        n_experts = size("expert_count") if meta.get(f"{arch}.expert_count", 0) != 0 else None  # Mixtral: > 0
         args = cls(
             vocab_size=size("vocab_size", len(meta.get("tokenizer.ggml.tokens", ()))),
             dim=size("embedding_length"),
@@ -161,7 +257,7 @@ class ModelArgs:
             n_heads=n_heads,
             hidden_dim=size("feed_forward_length"),
             n_kv_heads=size("attention.head_count_kv", n_heads),
-            head_dim=size("attention.key_length") if "llama.attention.key_length" in meta else None,
+            head_dim=head_dim,
             norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=number("rope.freq_base", 10000.0),
             rope_scaling=rope_scaling,
@@ -169,23 +265,34 @@ class ModelArgs:
             tie_embeddings="output.weight" not in tensor_names,  # llama.cpp drops the head of tied models
             n_experts=n_experts,
             n_experts_per_token=size("expert_used_count", 2) if n_experts else 2,
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
+            fused_checkpoint=arch == "phi3",  # attn_qkv, and ffn_up holding gate | up
+            sliding_window=positive_int(window, f"GGUF metadata {arch}.attention.sliding_window") if window else None,
+            rope_dim=size("rope.dimension_count") if arch == "phi3" and f"{arch}.rope.dimension_count" in meta
+            else None,  # Phi-4-mini's partial rotary
+            **(gemma2_gguf_args(meta, size("block_count"), size("embedding_length") // n_heads, head_dim)
+               if arch == "gemma2" else {}),
         )
-        if meta.get("llama.rope.dimension_count", args.head_dim) != args.head_dim:
+        if meta.get(f"{arch}.rope.dimension_count", args.rope_dim) != args.rope_dim:
             raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")
         return args
 
     def to_hf_config(self) -> dict:
-        """A Hugging Face LlamaForCausalLM (or MixtralForCausalLM) config.json that from_hf_config reads back as
-        these args (export.py writes it for a GGUF source)."""
+        """A Hugging Face config.json (LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
+        Phi3ForCausalLM) that from_hf_config reads back as these args (export.py writes it for a GGUF source)."""
         if self.rope_freq_factors is not None:
             raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
                              "cannot express; save from the Hugging Face checkpoint instead")
-        if self.sliding_window is not None:
-            raise ValueError("sliding-window models are saved from their Hugging Face folder, not from GGUF")
+        if self.sliding_window is not None or self.sandwich_norms:
+            raise ValueError("sliding-window and Gemma models are saved from their Hugging Face folder, not from GGUF")
         moe = self.n_experts is not None
+        model_type = ("mixtral" if moe else "qwen2" if self.qkv_bias else "qwen3" if self.qk_norm else
+                      "phi3" if self.fused_checkpoint else "llama")
+        arch = ARCHITECTURES[("llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3").index(model_type)]
         cfg = {
-            "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"], "model_type": "mixtral" if moe
-            else "llama", "vocab_size": self.vocab_size,
+            "architectures": [arch],
+            "model_type": model_type, "vocab_size": self.vocab_size,
             "hidden_size": self.dim, "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads,
             "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim, "intermediate_size": self.hidden_dim,
             "hidden_act": "silu", "rms_norm_eps": self.norm_eps, "rope_theta": self.rope_theta,
@@ -194,6 +301,8 @@ class ModelArgs:
         }
         if self.rope_scaling:
             cfg["rope_scaling"] = dict(self.rope_scaling)
+        if self.rope_dim != self.head_dim:
+            cfg["partial_rotary_factor"] = self.rope_dim / self.head_dim
         if moe:
             cfg.update(num_local_experts=self.n_experts, num_experts_per_tok=self.n_experts_per_token)
         return cfg

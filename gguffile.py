@@ -32,12 +32,19 @@ GGUF_BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # Mixtral's router
 }
+# an architecture's own block names: Phi-3's fused linears, stored as we run them (ffn_up holds gate | up)
+# and Gemma 2's four norms (its ffn_norm is the MLP's pre-norm, our post_attention_layernorm its attention post-norm)
+GGUF_ARCH_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                   "gemma2": {"post_attention_norm": "post_attention_layernorm",
+                              "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}}
 GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # (E, N, K)
 # tensor types GGUFReader returns as numbers; every other type (BF16, the quantized blocks) as rows of bytes
 NUMERIC = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
@@ -140,9 +147,10 @@ class ExpertSlice:
     tensor_type: object
 
 
-def named_tensors(file_tensors: list[GGUFTensor]) -> tuple[dict, dict[str, tuple]]:
+def named_tensors(file_tensors: list[GGUFTensor], arch: str = "llama") -> tuple[dict, dict[str, tuple]]:
     """The file's tensors under our names ({name: GGUFTensor or ExpertSlice}) and their torch shapes: a stacked
-    `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C)."""
+    `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C); a phi3 file's
+    `blk.3.ffn_up.weight` is `layers.3.mlp.gate_up_proj.weight`."""
     tensors, shapes = {}, {}
     for t in file_tensors:
         shape = t.shape
@@ -152,7 +160,10 @@ def named_tensors(file_tensors: list[GGUFTensor]) -> tuple[dict, dict[str, tuple
                 name = f"layers.{parts[1]}.mlp.experts.{e}.{GGUF_EXPERT_NAMES[parts[2]]}.{parts[3]}"
                 tensors[name], shapes[name] = ExpertSlice(t.data[e], t.tensor_type), shape[1:]
             continue
-        name = tensor_name(t.name)
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_ARCH_NAMES.get(arch, {}):
+            name = f"layers.{parts[1]}.{GGUF_ARCH_NAMES[arch][parts[2]]}.{parts[3]}"
+        else:
+            name = tensor_name(t.name)
         tensors[name], shapes[name] = t, shape
     return tensors, shapes
 
@@ -170,8 +181,11 @@ def tensor_name(gguf_name: str) -> str:
     return gguf_name
 
 
+PERMUTED_QK = ("llama",)  # the architectures whose q/k rows llama.cpp's converter permutes (qwen2/qwen3 keep HF's)
+
+
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp stores q/k rows with RoPE pairs interleaved (2i, 2i+1); our RoPE pairs (i, i + D/2).
+    """llama.cpp stores a llama file's q/k rows with RoPE pairs interleaved (2i, 2i+1); our RoPE pairs (i, i + D/2).
     Its converter reshaped each head's rows as (2, D/2) -> (D/2, 2); this is the inverse."""
     rows, cols = w.shape
     return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)

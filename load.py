@@ -332,14 +332,16 @@ class GGUFRoutes:
     args: ModelArgs  # the full model's: q/k heads to unpermute, and what a shard slices
     native: bool  # the block linears take the file's Q4_0/Q4_1 codes as they are (Int4Linear int4:32)
     q8_0_head: str | None  # the tensor whose Q8_0 codes the head runs as (Int8GroupLinear), or None
+    permuted_qk: bool  # q/k rows in llama.cpp's interleaved RoPE order (gguffile.PERMUTED_QK)
     shard: object = None
 
     @classmethod
-    def decide(cls, tensors: dict, args: ModelArgs, request: Request, shard) -> "GGUFRoutes":
+    def decide(cls, tensors: dict, args: ModelArgs, arch: str, request: Request, shard) -> "GGUFRoutes":
         """Native codes when every block linear is Q4_0/Q4_1 (llama.cpp's 4-bit blocks of 32) and nothing asks for
         other modules: another mode, a quantized head (quantized from the dequantized embedding), a shard (which
         slices dequantized rows)."""
-        linears = [t.tensor_type.name for name, t in tensors.items() if name.startswith("layers.") and "_proj." in name]
+        linears = [t.tensor_type.name for name, t in tensors.items()
+                   if name.startswith("layers.") and name.endswith("_proj.weight")]
         q4 = bool(linears) and all(kind in gguffile.INT4_TYPES for kind in linears)
         native = q4 and shard is None and not request.head and (request.as_stored or request.mode == "int4:32")
         # Without --quantize, a Q8_0 head runs as the file's codes, in a float32 model too: the kernel rounds the
@@ -349,7 +351,7 @@ class GGUFRoutes:
         # matrix of a small model, read every step in 1.25 bytes a weight instead of bf16's 2.
         head = "lm_head.weight" if "lm_head.weight" in tensors else "embed_tokens.weight"  # tied: the embedding
         q8_0 = request.as_stored and shard is None and tensors[head].tensor_type.name == "Q8_0"
-        return cls(args, native, head if q8_0 else None, shard)
+        return cls(args, native, head if q8_0 else None, arch in gguffile.PERMUTED_QK, shard)
 
     def swap_modules(self, model: Transformer, request: Request) -> None:
         """Swap in the modules this load builds (after the Filler took the file's float names)."""
@@ -366,8 +368,8 @@ class GGUFRoutes:
             if name == "lm_head.weight":
                 return  # untied; a tied head's matrix is also the embedding, dequantized below
         heads = self.args.n_heads if "q_proj" in name else self.args.n_kv_heads
-        qk = name.endswith(("q_proj.weight", "k_proj.weight"))
-        if self.native and "_proj." in name:
+        qk = self.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight"))
+        if self.native and name.endswith("_proj.weight"):
             blocks = gguffile.int4_blocks(t, shape)
             filler.put_int4_blocks(name, *(gguffile.unpermute_qk(x, heads) if qk else x for x in blocks))
             return
@@ -391,23 +393,28 @@ def with_rope_freqs(args: ModelArgs, rope_freqs, path: str) -> ModelArgs:
 
 
 def load_gguf(path: str, device, dtype: torch.dtype, progress: bool, request: Request, shard) -> Transformer:
-    """A llama-architecture GGUF file: dequantized to dtype with the gguf package (or, with a mode, from float32
-    straight to int8/int4 codes), or its Q4 linears and Q8_0 head as their codes (GGUFRoutes)."""
+    """A GGUF file (config.GGUF_ARCHITECTURES): dequantized to dtype with the gguf package (or, with a mode,
+    from float32 straight to int8/int4 codes), or its Q4 linears and Q8_0 head as their codes (GGUFRoutes)."""
     try:
         meta, file_tensors = gguffile.read_gguf(path)
     except (ValueError, OSError) as e:
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from None
-    full_args = ModelArgs.from_gguf(meta, {t.name for t in file_tensors})
+    longrope = {f"{kind}_factor": [float(x) for x in t.data] for t in file_tensors for kind in ("long", "short")
+                if t.name == f"rope_factors_{kind}.weight"}  # Phi-3's, a few numbers each
+    full_args = ModelArgs.from_gguf(meta, {t.name for t in file_tensors}, longrope or None)
+    arch = meta["general.architecture"]
     del meta  # the vocabulary's ~100k strings are not needed any more
-    tensors, full_shapes = gguffile.named_tensors(file_tensors)
+    tensors, full_shapes = gguffile.named_tensors(file_tensors, arch)
     full_args = with_rope_freqs(full_args, tensors.pop("rope_freqs.weight", None), path)
-    full_shapes.pop("rope_freqs.weight", None)
+    for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        tensors.pop(name, None)
+        full_shapes.pop(name, None)
     with torch.device("meta"):
         model = Transformer(shard.args(full_args) if shard else full_args)
     shapes = {k: shard.local_shape(k, v, full_args) for k, v in full_shapes.items()} if shard else full_shapes
     check_tensors(checkpoint_shapes(model), shapes, path)
     filler = Filler(model, device, dtype, path)
-    routes = GGUFRoutes.decide(tensors, full_args, request, shard)
+    routes = GGUFRoutes.decide(tensors, full_args, arch, request, shard)
     routes.swap_modules(model, request)
     for name, t in tqdm(tensors.items(), desc="loading", disable=not progress, unit="tensor"):
         routes.put(filler, name, t, full_shapes[name])

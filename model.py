@@ -1,4 +1,5 @@
-"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2) in plain PyTorch.
+"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3,
+Phi-3, Gemma 2) in plain PyTorch.
 
 Shape legend used in the comments:
   B batch, T tokens in this call, S key positions (cache length), C model width,
@@ -19,10 +20,18 @@ from kvcache import KVCache, LayerKVCache
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Per-pair rotation frequencies (D/2,), with the checkpoint's rope scaling applied."""
-    d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    """Per-pair rotation frequencies (R/2,) for the R = rope_dim rotated dims, with the checkpoint's rope scaling."""
+    d = args.rope_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d  # (R/2,)
     scaling = args.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope":
+        # Phi-3: per-frequency divisors, the long ones for a context past the original one. The choice is made once
+        # for the model's context (llama.cpp's rule), so every cached key keeps its rotation; transformers picks per
+        # forward, by its last position, so it uses the short ones on shorter sequences of a long-context model.
+        long = args.max_seq_len > scaling["original_max_position_embeddings"]
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * args.rope_theta ** exponents)
+    inv_freq = 1.0 / (args.rope_theta ** exponents)
     if scaling.get("rope_type") == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif scaling.get("rope_type") == "llama3":
@@ -40,12 +49,43 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return inv_freq
 
 
+def rope_attention_factor(args: ModelArgs) -> float:
+    """What longrope multiplies cos and sin by (transformers' attention_scaling), from the checkpoint's context
+    extension `factor` (config.py: max_position_embeddings / original); 1 for every other rope type."""
+    scaling = args.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or args.max_seq_len / original
+    default = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return scaling.get("attention_factor") or default
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, D) by position, with cos and sin (T, D/2), or (B, 1, T, D/2) with per-row positions, in x's
-    dtype. Half-rotation layout: dim i pairs with i + D/2 (Hugging Face's layout; gguffile.unpermute_qk converts GGUF's
-    interleaved q/k rows to it)."""
-    x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    """Rotate the first R dims of (B, H, T, D) by position, with cos and sin (T, R/2), or (B, 1, T, R/2) with per-row
+    positions, in x's dtype; R = D but for partial rotary (Phi-4-mini), whose last D - R dims pass as they are.
+    Half-rotation layout: dim i pairs with i + R/2 (Hugging Face's layout; gguffile.unpermute_qk converts a llama
+    GGUF's interleaved q/k rows to it)."""
+    r = 2 * cos.shape[-1]
+    x1, x2 = x[..., :r].chunk(2, dim=-1)  # (B, H, T, R/2) each
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # (B, H, T, R)
+    return rotated if r == x.shape[-1] else torch.cat([rotated, x[..., r:]], dim=-1)  # (B, H, T, D)
+
+
+def written_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                      softcap: float | None) -> torch.Tensor:
+    """softmax(cap(q k^T * scale)) v written out in float32, for Gemma 2: SDPA takes a mask but no function of the
+    scores, and its soft-capping cap(s) = c tanh(s / c) goes between the product and the softmax. q (B, H, T, D),
+    k and v (B, K, S, D), mask (T, S) or (B, 1, T, S)."""
+    B, H, T, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    qg = q.float().reshape(B, K, H // K * T, D)  # (B, K, G*T, D): a kv head's G query heads, as rows
+    scores = (qg @ k.float().transpose(-2, -1) * scale).view(B, K, H // K, T, S)  # (B, K, G, T, S)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))  # mask (.., 1, T, S) over the G heads
+    p = torch.softmax(scores, dim=-1).view(B, K, H // K * T, S)  # (B, K, G*T, S)
+    return (p @ v.float()).view(B, H, T, D).to(q.dtype)  # (B, H, T, D)
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -125,13 +165,13 @@ class Parts:
 
 
 class Linear(Parts, nn.Linear):
-    """A bias-free nn.Linear. Compiled on CPU with float32 weights, a one-row product is written as a multiply-and-
-    sum: Inductor makes that a vectorized reduction that streams the weight about twice as fast as the GEMV of
-    torch's matmul libraries (README, Benchmarks). bf16 weights keep F.linear: there MKL's GEMV is the faster one.
-    Eager, batched or on CUDA it is F.linear."""
+    """An nn.Linear, bias-free unless asked (Qwen2's q/k/v). Compiled on CPU with float32 weights, a one-row product
+    is written as a multiply-and-sum: Inductor makes that a vectorized reduction that streams the weight about twice
+    as fast as the GEMV of torch's matmul libraries (README, Benchmarks). bf16 weights keep F.linear: there MKL's
+    GEMV is the faster one. Eager, batched or on CUDA it is F.linear."""
 
-    def __init__(self, in_features: int, out_features: int, parts: dict[str, int] | None = None):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, parts: dict[str, int] | None = None, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
         self.parts = parts
         assert parts is None or sum(parts.values()) == out_features, f"{parts} vs {out_features} rows"
 
@@ -139,20 +179,23 @@ class Linear(Parts, nn.Linear):
         one_row = x.device.type == "cpu" and x.shape[:-1].numel() == 1
         if one_row and self.weight.dtype == torch.float32 and torch.compiler.is_compiling():
             y = (self.weight * x.reshape(1, -1).float()).sum(-1)  # (N,)
+            y = y if self.bias is None else y + self.bias
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.plus_one = eps, plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 even for bf16/fp16 activations, as the reference implementation does.
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:  # Gemma stores w - 1 and scales in float32 before rounding (transformers' Gemma2RMSNorm)
+            return (y * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * y.to(x.dtype)
 
 
@@ -161,21 +204,31 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         # q, k and v as one weight (rows q | k | v): one larger matmul instead of three. Checkpoints keep
-        # q_proj/k_proj/v_proj, the parts the loader hands in (Parts).
+        # q_proj/k_proj/v_proj, the parts the loader hands in (Parts); Phi-3's store qkv_proj itself.
         q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        self.qkv_proj = Linear(args.dim, q_rows + 2 * kv_rows, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows})
+        parts = None if args.fused_checkpoint else {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
+        self.qkv_proj = Linear(args.dim, q_rows + 2 * kv_rows, parts, bias=args.qkv_bias)
         self.o_proj = Linear(args.n_heads * args.head_dim, args.dim)
+        # Qwen3: each head's q and k RMS-normed (over D) before RoPE
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.scale, self.softcap = args.attn_scale, args.attn_softcap  # Gemma 2; None: SDPA's 1/sqrt(D), no cap
 
     def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
         B, T, _ = x.shape
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).split([(H + K) * D, K * D], dim=-1)  # (B, T, (H+K)*D), (B, T, K*D)
-        qk = apply_rope(qk.view(B, T, H + K, D).transpose(1, 2), cos, sin)  # (B, H+K, T, D): q and k in one go
+        qk = qk.view(B, T, H + K, D)  # (B, T, H+K, D)
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)  # (B, T, H+K, D)
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # (B, H+K, T, D): q and k in one go
         q, k = qk.split([H, K], dim=1)  # (B, H, T, D), (B, K, T, D)
         v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
         if cache is not None:
             k, v = cache.update(input_pos, k, v)  # (B, K, S, D): every slot, the mask hides unwritten ones
-        if q.device.type == "cpu" and (T == 1 or cache is not None and T <= DECODE_QUERIES):
+        if self.scale is not None or self.softcap is not None:
+            y = written_attention(q, k, v, mask, self.scale or D ** -0.5, self.softcap)
+        elif q.device.type == "cpu" and (T == 1 or cache is not None and T <= DECODE_QUERIES):
             y = decode_attention(q, k, v, mask)  # decode steps and verifies
         else:
             # enable_gqa lets each group of H/K query heads share one kv head without copying the cache.
@@ -188,12 +241,15 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         width = args.hidden_dim
-        self.gate_up_proj = Linear(args.dim, 2 * width, {"gate_proj": width, "up_proj": width})  # rows gate | up
+        parts = None if args.fused_checkpoint else {"gate_proj": width, "up_proj": width}
+        self.gate_up_proj = Linear(args.dim, 2 * width, parts)  # rows gate | up
         self.down_proj = Linear(args.hidden_dim, args.dim)
+        self.gelu = args.mlp_act == "gelu_pytorch_tanh"  # Gemma 2's GeGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., F) each
-        return self.down_proj(F.silu(gate) * up)  # SwiGLU
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)  # SwiGLU (GeGLU)
 
 
 class Router(nn.Module):
@@ -242,20 +298,32 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, i: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        norm = (args.dim, args.norm_eps, args.norm_plus_one)  # each RMSNorm's arguments
+        self.input_layernorm = RMSNorm(*norm)
         self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNorm(*norm)  # before the MLP; Gemma 2: after attention (sandwich norms)
+        if args.sandwich_norms:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = RMSNorm(*norm), RMSNorm(*norm)
         self.mlp = MLP(args) if args.n_experts is None else MoE(args)
+        self.sandwich = args.sandwich_norms
+        # Gemma 2: only some layers see a sliding window; they take the second of Transformer.inputs' two masks.
+        self.windowed = args.sliding_layers is not None and i in args.sliding_layers
         # Tensor parallel (tp.py): this rank's o_proj / down_proj outputs are partial sums; this adds them up.
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.all_reduce is None else self.all_reduce(x)
+
     def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
-        a = self.self_attn(self.input_layernorm(x), input_pos, cos, sin, mask, cache)
-        h = x + (a if self.all_reduce is None else self.all_reduce(a))
-        m = self.mlp(self.post_attention_layernorm(h))
-        return h + (m if self.all_reduce is None else self.all_reduce(m))
+        mask = mask[self.windowed] if isinstance(mask, tuple) else mask
+        a = self.reduce(self.self_attn(self.input_layernorm(x), input_pos, cos, sin, mask, cache))
+        if self.sandwich:  # Gemma 2: each sublayer's input and output normed
+            h = x + self.post_attention_layernorm(a)
+            return h + self.post_feedforward_layernorm(self.reduce(self.mlp(self.pre_feedforward_layernorm(h))))
+        h = x + a
+        return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
 
 
 class Transformer(nn.Module):
@@ -266,8 +334,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
         self.lm_head = Linear(args.dim, args.vocab_size)
         if args.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -277,9 +345,10 @@ class Transformer(nn.Module):
         """(Re)build the cos/sin tables, e.g. after the model was built on the meta device."""
         device = device or self.embed_tokens.weight.device
         positions = torch.arange(self.args.max_seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(self.args).to(device))  # (max_seq_len, D/2)
-        self.register_buffer("rope_cos", freqs.cos(), persistent=False)
-        self.register_buffer("rope_sin", freqs.sin(), persistent=False)
+        freqs = torch.outer(positions, rope_inv_freq(self.args).to(device))  # (max_seq_len, R/2)
+        scale = rope_attention_factor(self.args)
+        self.register_buffer("rope_cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("rope_sin", freqs.sin() * scale, persistent=False)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache | None = None,
                 all_logits: bool = False) -> torch.Tensor:
@@ -297,16 +366,24 @@ class Transformer(nn.Module):
         mask over the cache's slots (or the T tokens without one). step.py runs its compiled layers between
         inputs() and head()."""
         x = self.embed_tokens(tokens)  # (B, T, C)
+        if self.args.embed_scale:  # Gemma: by sqrt(C) rounded to the activations' dtype, as transformers does
+            x = x * torch.tensor(self.args.dim ** 0.5).to(x.dtype)
         # computed in float32, rounded to the activations' dtype once for every layer (as transformers does)
         cos, sin = self.rope_cos[input_pos].to(x.dtype), self.rope_sin[input_pos].to(x.dtype)  # (T, D/2) or (B, T, D/2)
         k_pos = input_pos if cache is None else torch.arange(cache.max_seq_len, device=tokens.device)
-        mask = attention_mask(input_pos, k_pos, self.args.sliding_window)  # (T, S) or (B, T, S)
-        if input_pos.dim() == 2:
-            cos, sin, mask = cos[:, None], sin[:, None], mask[:, None]  # broadcast over heads: (B, 1, T, .)
+        if self.args.sliding_layers is None:
+            mask = attention_mask(input_pos, k_pos, self.args.sliding_window)  # (T, S) or (B, T, S)
+        else:  # Gemma 2: (full, windowed), each Block takes its own
+            mask = tuple(attention_mask(input_pos, k_pos, w) for w in (None, self.args.sliding_window))
+        if input_pos.dim() == 2:  # broadcast over heads: (B, 1, T, .)
+            cos, sin = cos[:, None], sin[:, None]
+            mask = tuple(m[:, None] for m in mask) if isinstance(mask, tuple) else mask[:, None]
         return x, cos, sin, mask
 
     def head(self, x: torch.Tensor, all_logits: bool) -> torch.Tensor:
         """The last layer's output (B, T, C) -> float32 logits (B, T, V), or (B, 1, V) unless all_logits."""
         if not all_logits:
             x = x[:, -1:]  # (B, 1, C): generation only needs the next-token distribution
-        return self.lm_head(self.norm(x)).float()  # (B, T or 1, V)
+        logits = self.lm_head(self.norm(x)).float()  # (B, T or 1, V)
+        cap = self.args.final_softcap  # Gemma 2: logits soft-capped to (-cap, cap)
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -133,12 +133,13 @@ class Int8Linear(Parts, nn.Module):
     parts: the checkpoint tensors it fuses (model.Parts), as the Linear it replaces."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32, device=None,
-                 parts: dict[str, int] | None = None):
+                 parts: dict[str, int] | None = None, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.parts = in_features, out_features, parts
         self.in_padded = round_up(in_features, INT8_K_MULTIPLE)  # zero columns: they add nothing
         self.register_buffer("weight", torch.zeros(out_features, self.in_padded, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))
+        self.bias = float_bias(out_features, dtype, device) if bias else None
         # The scales as the CPU kernel takes them (bf16), made once when they are loaded: a cast at every call
         # would be an op of its own, and one Inductor's lowering of the kernel cannot take as its input.
         self.register_buffer("kernel_scales", None, persistent=False)
@@ -165,6 +166,7 @@ class Int8Linear(Parts, nn.Module):
             y = F.linear(x2, self.weight[:, :self.in_features].to(x.dtype)) * self.scales.to(x.dtype)
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))
+        y = y if self.bias is None else y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)
 
     def pack_for_kernel(self) -> None:
@@ -190,7 +192,7 @@ class Int4Linear(Parts, nn.Module):
     ROW_DIMS = {"scales_and_zeros": 1}  # (K/G, N, 2)
 
     def __init__(self, in_features: int, out_features: int, group_size: int, device=None,
-                 parts: dict[str, int] | None = None):
+                 parts: dict[str, int] | None = None, bias: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
         if group_size not in GROUP_SIZES:
             raise ValueError(f"int4 group size {group_size} is not supported; allowed: {GROUP_SIZES}")
@@ -202,6 +204,7 @@ class Int4Linear(Parts, nn.Module):
                                                    device=device))
         self.register_buffer("scales_and_zeros", torch.zeros(self.in_padded // group_size, self.out_padded, 2,
                                                              dtype=KERNEL_DTYPE, device=device))
+        self.bias = float_bias(out_features, dtype, device) if bias else None  # (N,), not padded
 
     def quantize_weight(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """The plain buffers (weight, scales_and_zeros) for float weight w (N, K): this module's, or one part's
@@ -240,7 +243,8 @@ class Int4Linear(Parts, nn.Module):
         out = []
         for i, state in enumerate(parts):  # each as an Int4Linear of the part's own shape stores it: 16-row blocks
             pad = -self.part_rows(i)[1] % N_MULTIPLE
-            out.append({k: F.pad(t, [0, 0] * (t.dim() - 1 - self.ROW_DIMS.get(k, 0)) + [0, pad]).contiguous()
+            out.append({k: t if k == "bias" else
+                        F.pad(t, [0, 0] * (t.dim() - 1 - self.ROW_DIMS.get(k, 0)) + [0, pad]).contiguous()
                         for k, t in state.items()})
         return out
 
@@ -290,12 +294,15 @@ class Int4Linear(Parts, nn.Module):
             y = self._kernel_mm(pad_columns(x2, self.in_padded), self.scales_and_zeros)  # (M, N padded)
             if self.out_padded != self.out_features:
                 y = y[:, :self.out_features]  # (M, N)
+        y = y if self.bias is None else y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
 
     # The state dict holds the plain layout; loading one packs it for this device's kernel.
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.weight if self.kernel is None else pack_int4(self.codes())
         destination[prefix + "scales_and_zeros"] = self.scales_and_zeros
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         if self.kernel is not None:  # back to a plain buffer that the incoming plain bytes can be copied into
@@ -353,12 +360,17 @@ class Int8GroupLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size=32"
 
 
+def float_bias(n: int, dtype: torch.dtype, device) -> nn.Parameter:
+    """A quantized linear's bias (Qwen2's q/k/v): kept in model precision, added after the product."""
+    return nn.Parameter(torch.zeros(n, dtype=dtype, device=device), requires_grad=False)
+
+
 def make_quantized_linear(kind: str, group: int | None, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
-    """An empty Int8Linear / Int4Linear shaped like `linear`, on its device (meta included)."""
-    device, parts = linear.weight.device, getattr(linear, "parts", None)
+    """An empty Int8Linear / Int4Linear shaped like `linear` (its bias too), on its device (meta included)."""
+    device, parts, bias = linear.weight.device, getattr(linear, "parts", None), linear.bias is not None
     if kind == "int8":
-        return Int8Linear(linear.in_features, linear.out_features, dtype, device, parts)
-    return Int4Linear(linear.in_features, linear.out_features, group, device, parts)
+        return Int8Linear(linear.in_features, linear.out_features, dtype, device, parts, bias)
+    return Int4Linear(linear.in_features, linear.out_features, group, device, parts, bias, dtype)
 
 
 def swap_linears(model: nn.Module, mode: str, quantize_head: bool = False) -> dict[str, nn.Module]:
@@ -384,11 +396,13 @@ def quantize_model(model: nn.Module, mode: str, quantize_head: bool = False) -> 
     With tied embeddings and quantize_head, the embedding becomes the dequantized head: one matrix, as tied."""
     if quantization_of(model) is not None:
         raise ValueError("the model is quantized already; quantize from its float weights (load with quantize='none')")
-    floats = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    floats = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     for name, module in swap_linears(model, mode, quantize_head).items():
         for i in range(len(module.parts or [None])):  # a fused linear part by part, exactly as loading fills it
             start, n = module.part_rows(i)
-            module.load_part(i, module.quantize_weight(floats[name][start:start + n]))
+            module.load_part(i, module.quantize_weight(floats[name].weight[start:start + n]))
+            if module.bias is not None:
+                module.load_part(i, {"bias": floats[name].bias[start:start + n]})
         module.pack_for_kernel()
     if quantize_head and model.args.tie_embeddings:
         dtype = model.embed_tokens.weight.dtype

@@ -45,6 +45,8 @@ class Shard:
                              "(one must divide the other)")
         if F % w:
             raise ValueError(f"tensor parallel: the MLP width {F} does not divide over {w} ranks")
+        if full.fused_checkpoint:  # its rows are not slices of one tensor per part
+            raise ValueError("tensor parallel cannot split a checkpoint with fused qkv_proj/gate_up_proj (Phi-3)")
         return dataclasses.replace(full, n_heads=H // w, n_kv_heads=max(K // w, 1), hidden_dim=F // w,
                                    head_dim=full.head_dim)
 

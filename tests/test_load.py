@@ -105,9 +105,9 @@ def test_missing_shard(tmp_path):
 def test_unsupported_architecture(single_file):
     folder, _ = single_file
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["architectures"] = ["Qwen2ForCausalLM"]
+    cfg["architectures"] = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported architecture 'Qwen2ForCausalLM'"):
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         load_model(str(folder), "cpu", torch.float32)
 
 

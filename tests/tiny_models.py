@@ -26,7 +26,33 @@ CONFIGS = {
                                            sliding_window=16)),
     "mixtral-6x3-window": ("mixtral", dict(num_local_experts=6, num_experts_per_tok=3, head_dim=24,
                                            sliding_window=24)),
+    # Qwen2 (q/k/v biases), untied and tied; Qwen3 (q/k norms) with an explicit head_dim, and tied
+    "qwen2": ("qwen2", dict()),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "qwen3": ("qwen3", dict(head_dim=24)),
+    "qwen3-tied": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
+    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; longrope past the original context (the long factors
+    # and attention factor sqrt(1 + ln 16 / ln 16)) and within it (short factors), with a window; Phi-4-mini's
+    # partial rotary (12 of 16 dims, GQA) with tied embeddings
+    "phi3-longrope": ("phi3", dict(original_max_position_embeddings=16, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0 + i / 10 for i in range(8)],
+        "long_factor": [1.5 + i for i in range(8)]})),
+    "phi3-short-window": ("phi3", dict(max_position_embeddings=256, original_max_position_embeddings=256,
+                                       sliding_window=16, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0 + i / 5 for i in range(8)], "long_factor": [9.0] * 8})),
+    "phi4-mini-partial": ("phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                       original_max_position_embeddings=32, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.1] * 6, "long_factor": [1.0 + i for i in range(6)]})),
+    # Gemma 2: GeGLU, (1 + w) norms, scaled embeddings, sandwich norms, soft-capped attention and logits (caps
+    # low enough to bite on these scores), alternating windowed/full layers, query_pre_attn_scalar != head_dim;
+    # then untied, one kv head, its own layer_types and the default caps
+    "gemma2": ("gemma2", dict(num_hidden_layers=3, head_dim=16, sliding_window=16, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma2-untied-gqa1": ("gemma2", dict(head_dim=24, num_key_value_heads=1, sliding_window=24,
+                                          tie_word_embeddings=False,
+                                          layer_types=["full_attention", "sliding_attention"])),
 }
+RANDOM_VECTORS = ("qwen2", "qwen3", "phi3", "gemma2")  # families whose biases and norm weights are drawn at random
 
 
 def make_hf(name: str, seed: int = 0):
@@ -34,14 +60,23 @@ def make_hf(name: str, seed: int = 0):
     import transformers
 
     family, extra = CONFIGS[name]
-    prefix = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral"}[family]
+    prefix = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+              "phi3": "Phi3", "gemma2": "Gemma2"}[family]
     config_cls, model_cls = getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
     kw = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+              pad_token_id=None,  # Phi-3's default (32000) is past the tiny vocabulary
               initializer_range=0.1)  # larger than the default so logits are O(1) and differences show
     kw.update(extra)
     torch.manual_seed(seed)
-    return model_cls(config_cls(**kw)).eval()
+    model = model_cls(config_cls(**kw)).eval()
+    if family in RANDOM_VECTORS:  # transformers initializes them to 0 and 1, which would hide a swapped or lost one
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1:
+                    mean = 0.0 if name.endswith(".bias") or family == "gemma2" else 1.0  # Gemma's norms store w - 1
+                    p.normal_(mean, 0.1)  # a bias, or a norm's weight
+    return model
 
 
 def hf_to_ours(hf) -> Transformer:
@@ -97,12 +132,16 @@ def llama_cpp_permute(w, n_heads: int):
     return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def llama_gguf_writer(path, cfg):
-    """A gguf.GGUFWriter for a llama-architecture file with the metadata of transformers config `cfg` (and, for a
-    Mixtral config, its expert counts); the caller adds the tensors and writes the file."""
+def llama_gguf_writer(path, cfg, arch: str = "llama"):
+    """A gguf.GGUFWriter for a file of llama.cpp architecture `arch` (llama, qwen2, qwen3) with the metadata of
+    transformers config `cfg` (and, for a Mixtral config, its expert counts); the caller adds the tensors and
+    writes the file."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
+    if getattr(cfg, "head_dim", None) and cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(cfg.head_dim)  # as llama.cpp's converter writes a config's own head_dim
+        writer.add_value_length(cfg.head_dim)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)

@@ -7,7 +7,6 @@ quality is measured (quality.py), not assumed. Each module has a native kernel p
 and a plain dequantize-then-matmul path (`dequantize()`) that the tests hold the kernels to.
 Writing a quantized checkpoint is export.py's; reading one is load.py's.
 """
-import math
 
 import torch
 import torch.nn as nn

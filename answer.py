@@ -53,7 +53,6 @@ class Choice:
     text: str = ""
     ids: list[int] = field(default_factory=list)
     tokens: list[Token] = field(default_factory=list)
-    prompt_tokens: list[Token | None] | None = None  # echo's logprobs of the prompt
     finish_reason: str | None = None
     started: bool = False
     parser: CallParser | None = None  # with tools: reads the calls out of the text as it comes
@@ -74,13 +73,11 @@ class Answer:
         self.last[i, event.index] = event
         c = self.choices[i * self.call.n + event.index]
         new_ids, new_tokens, text = list(event.token_ids), list(event.tokens or []), event.text
-        prefix = not c.started and self.call.echo
-        if prefix:  # echo: the prompt comes first, with its logprobs when asked
+        if self.call.echo and not c.started:  # the prompt comes first, with its logprobs when asked
             text = self.call.texts[i] + text
             prompt = self.call.requests[i].prompt
             new_ids = [*prompt, *new_ids]
             if event.prompt_logprobs is not None:
-                c.prompt_tokens = event.prompt_logprobs
                 new_tokens = [*event.prompt_logprobs, *new_tokens]
         offset = len(c.text)
         c.started, c.text = True, c.text + text
@@ -145,8 +142,7 @@ class Answer:
         if self.call.logprobs is not None and self.call.chat:
             logprobs = chat_logprobs(tokens, self.tokenizer)
         elif self.call.logprobs is not None:
-            if len(tokens) < len(ids):  # echo without prompt logprobs cannot happen: logprobs asks for them
-                tokens = [None] * (len(ids) - len(tokens)) + tokens
+            assert len(tokens) == len(ids), f"{len(tokens)} logprobs for {len(ids)} tokens"  # echo asks for the prompt's
             if not self.call.echo:
                 offset += len(self.call.texts[c.prompt])  # offsets count from the prompt's start, as OpenAI's
             logprobs = completion_logprobs(ids, tokens, self.tokenizer, offset)

@@ -3,6 +3,7 @@
 prompts, n and best_of, logit_bias, min_tokens / ignore_eos, continuous usage, unknown fields, models.retrieve,
 /tokenize and /detokenize. Each answer is checked against the in-process model."""
 import asyncio
+import importlib
 import math
 import os
 
@@ -16,10 +17,9 @@ from gate import ServeConfig
 from sample import SamplingParams
 from serve import make_app
 
-try:
-    import httpx2 as httpx  # the maintained HTTPX, which the openai client depends on
-except ImportError:
-    import httpx
+# The HTTPX the openai client is built on (httpx2 from openai 3, httpx before): an http_client passed to it must
+# be one of its clients, and whichever pip resolved is the one installed.
+httpx = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

@@ -7,6 +7,7 @@ this process (httpx's ASGI transport, the engine on a thread) where they can loo
 ends by checking that the server still answers a greedy request exactly. Signals need a real process."""
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -30,10 +31,9 @@ from gate import FD_RESERVE, MAX_HEAD_BYTES, QuietLoopErrors, ServeConfig, use_f
 from serve import API_KEY_ENV, check_flags, engine_config, make_app, parse_args, serve_config
 from text import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
-try:
-    import httpx2 as httpx  # the maintained HTTPX, which the openai client depends on
-except ImportError:
-    import httpx
+# The HTTPX the openai client is built on (httpx2 from openai 3, httpx before): an http_client passed to it must
+# be one of its clients, and whichever pip resolved is the one installed.
+httpx = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The capital of France is"

@@ -142,7 +142,8 @@ class Answer:
         if self.call.logprobs is not None and self.call.chat:
             logprobs = chat_logprobs(tokens, self.tokenizer)
         elif self.call.logprobs is not None:
-            assert len(tokens) == len(ids), f"{len(tokens)} logprobs for {len(ids)} tokens"  # echo asks for the prompt's
+            # echo asks for the prompt's logprobs too, so every id has its Token (the first prompt token's is None)
+            assert len(tokens) == len(ids), f"{len(tokens)} logprobs for {len(ids)} tokens"
             if not self.call.echo:
                 offset += len(self.call.texts[c.prompt])  # offsets count from the prompt's start, as OpenAI's
             logprobs = completion_logprobs(ids, tokens, self.tokenizer, offset)

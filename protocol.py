@@ -118,7 +118,8 @@ def check_chars(text: str, max_chars: int, param: str) -> None:
                          "characters can fit in it", param)
 
 
-def completion_prompts(body: dict, tokenizer, max_chars: int, special: bool = True) -> tuple[list[list[int]], list[str]]:
+def completion_prompts(body: dict, tokenizer, max_chars: int,
+                       special: bool = True) -> tuple[list[list[int]], list[str]]:
     """The prompts of /v1/completions and their texts: a string (encoded with BOS; special tokens' names in it are
     those tokens unless `special` is False, serve.py --prompt-special-tokens text), token ids, or an array of
     either (a batch: one choice, or n, per prompt)."""

@@ -7,9 +7,10 @@ POST /v1/completions and /v1/chat/completions (JSON, or with "stream": true serv
 
 Threads: `python serve.py` steps the engine (Engine.run_forever) on the main thread, where torch's CPU ops run
 fastest, and runs uvicorn's asyncio loop on another; make_app(engine_thread=True), for tests and embedding, gives
-the engine a thread of its own instead. A handler submits an engine Request whose on_event callback, called on the engine thread, hands each Event and
-its arrival time to the handler's asyncio.Queue through loop.call_soon_threadsafe. A request whose client goes away
-is aborted, so its KV blocks return to the pool at the engine's next step.
+the engine a thread of its own instead. A handler parses its body (protocol.parse_body), submits the call's engine
+Requests, whose on_event callbacks, called on the engine thread, hand each Event and its arrival time to the
+handler's asyncio.Queue through loop.call_soon_threadsafe, and shapes the answer from them (answer.Answer). A call
+whose client goes away is aborted (Server.release), so its KV blocks return to the pool at the engine's next step.
 
 In front of every route, Gate (an ASGI middleware) refuses what must not be served: a Host header this server does
 not answer to and a cross-origin Origin (a web page driving a local server: CSRF, DNS rebinding), a missing API
@@ -56,12 +57,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
+from answer import Answer
 from cli import DTYPES, THREADS_HELP, default_model, pick_device, pick_dtype, run_cli, set_threads
 from engine import Engine, EngineConfig, Event, QueueFull, Request
 from gate import (BACKLOG, LOCAL_HOSTS, Connections, Gate, GuardedH11Protocol, QuietLoopErrors, ServeConfig, error,
                   use_file_descriptors)
 from grammar import Compiler, Constraint, Grammar
-from answer import Answer
 from protocol import BadRequest, error_body, longest_token, parse_body, parse_detokenize, parse_json, parse_tokenize
 from step import COMPILE_HELP, COMPILE_MODES, Step
 from toolcalls import FORMATS
@@ -644,7 +645,8 @@ def run(args: argparse.Namespace) -> None:
     if not args.quiet:
         print(f"serving {names[0]} on http://{args.host}:{args.port} | {device.type} "
               f"{str(dtype).removeprefix('torch.')} ({dtype_why}) | API key {'required' if args.api_key else 'off'} "
-              f"| {config} | {'eager' if engine.decode_step.mode == 'none' else 'compiled: ' + engine.decode_step.mode}",
+              f"| {config} | "
+              f"{'eager' if engine.decode_step.mode == 'none' else 'compiled: ' + engine.decode_step.mode}",
               file=sys.stderr)
     # The engine steps on the main thread and uvicorn serves from another: here, torch's OpenMP-parallel ops
     # ran several times slower when called from a thread other than the main one (README, Serving).

@@ -387,11 +387,13 @@ def test_tool_calls_stream_and_round_trip(reference):
     whole, chunks, auto, final, bad, absent = call(reference, fn)
     deltas = [d for x in chunks if x.choices for d in (x.choices[0].delta.tool_calls or [])]
     assert deltas[0].id and deltas[0].function.name == "get_weather" and deltas[0].index == 0
-    assert "".join(d.function.arguments or "" for d in deltas) == whole.choices[0].message.tool_calls[0].function.arguments
+    arguments = whole.choices[0].message.tool_calls[0].function.arguments
+    assert "".join(d.function.arguments or "" for d in deltas) == arguments
     assert [x.choices[0].finish_reason for x in chunks if x.choices][-1] == "tool_calls"
     json.loads(whole.choices[0].message.tool_calls[0].function.arguments)
     a = auto.choices[0]
-    assert (a.finish_reason == "tool_calls") == bool(a.message.tool_calls) and (a.message.content or a.message.tool_calls)
+    assert (a.finish_reason == "tool_calls") == bool(a.message.tool_calls)
+    assert a.message.content or a.message.tool_calls
     assert final.choices[0].message.content and final.choices[0].finish_reason in ("stop", "length")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[1].tool_call_id"
     assert absent.status_code == 400 and absent.json()["error"]["param"].startswith("tool_choice")

@@ -1,5 +1,5 @@
-"""protocol.py and answer.py without a server: request bodies -> engine Requests (and the 400s), engine Events -> OpenAI's
-response bodies and stream chunks (logprobs shapes, echo, n x prompts indexing, usage)."""
+"""protocol.py and answer.py without a server: request bodies -> engine Requests (and the 400s), engine Events ->
+OpenAI's response bodies and stream chunks (logprobs shapes, echo, n x prompts indexing, usage)."""
 import json
 
 import pytest

@@ -324,7 +324,7 @@ TOOL_PROMPTS = ["What's the weather in Paris?", "Is it cold in Oslo today?", "Bo
 
 
 def test_named_and_required_tool_calls_are_valid_by_construction(reference):
-    """30 prompts x 3 schemas with the function named, and each prompt with "required" over all three, sampled at
+    """30 prompts x 3 schemas with the function named, and 6 prompts with "required" over all three, sampled at
     temperature 0.8: every call parses and its arguments validate against the function's schema."""
     import json
 
@@ -342,7 +342,7 @@ def test_named_and_required_tool_calls_are_valid_by_construction(reference):
     async def fn(c, h):
         named = [one(c, p, i, {"type": "function", "function": {"name": name}})
                  for i, p in enumerate(TOOL_PROMPTS) for name in schemas]
-        required = [one(c, p, i, "required") for i, p in enumerate(TOOL_PROMPTS)]
+        required = [one(c, p, i, "required") for i, p in enumerate(TOOL_PROMPTS[:6])]  # (and test_tools.py's)
         return await asyncio.gather(*named), await asyncio.gather(*required)
 
     named, required = call(reference, fn)

@@ -21,6 +21,8 @@ from serve import make_app
 # be one of its clients, and whichever pip resolved is the one installed.
 httpx = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
 
+pytestmark = pytest.mark.slow  # every test here serves SmolLM2 (the fast subset has none)
+
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 LOCAL = "http://127.0.0.1:8000"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from decode import fit_new_tokens
 from engine import Request
 from grammar import Constraint, Grammar
-from sample import SamplingParams
+from sample import SamplingParams, check_logit_bias
 from text import check_stop
 from tools import ToolRequest, field_of, tool_request
 
@@ -63,23 +63,16 @@ def sampling_params(body: dict, vocab_size: int) -> SamplingParams:
     defaults = SamplingParams(temperature=1.0)
     values = {name: get(body, name, "integer" if name == "top_k" else "number", getattr(defaults, name))
               for name in SAMPLING}
-    bias = []
-    for key, value in get(body, "logit_bias", "object", {}).items():
-        if not key.isdigit() or not int(key) < vocab_size:
-            raise BadRequest(f"logit_bias key {key[:20]!r} is not a token id in [0, {vocab_size})", "logit_bias")
-        if type(value) not in (int, float) or not -100 <= value <= 100:
-            raise BadRequest(f"logit_bias[{key}] must be a number in [-100, 100], got {json.dumps(value)[:50]}",
-                             "logit_bias")
-        bias.append((int(key), float(value)))
+    bias = [(int(key) if key.isdigit() else key, value)  # JSON's keys are strings; sample.py checks the rest
+            for key, value in get(body, "logit_bias", "object", {}).items()]
     min_tokens = get(body, "min_tokens", "integer", 0)
-    if min_tokens < 0:
-        raise BadRequest(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
     ignore_eos = get(body, "ignore_eos", "boolean", False)
     try:
-        return SamplingParams(**values, logit_bias=tuple(sorted(bias)), min_tokens=min_tokens, ignore_eos=ignore_eos)
+        check_logit_bias(bias, vocab_size)
+        return SamplingParams(**values, logit_bias=tuple(bias), min_tokens=min_tokens, ignore_eos=ignore_eos)
     except ValueError as e:  # its messages start with the parameter's name
         name = str(e).split()[0]
-        raise BadRequest(str(e), name if name in SAMPLING else None) from None
+        raise BadRequest(str(e), name if name in (*SAMPLING, "logit_bias", "min_tokens") else None) from None
 
 
 def check_unicode(body) -> None:

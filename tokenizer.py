@@ -46,6 +46,8 @@ class Tokenizer:
         self.specials = re.compile("|".join(map(re.escape, names))) if names else None
         self._text_backend = None  # the backend matching no special token, built at first use (see text_backend)
         self._lock = threading.Lock()  # requests are tokenized on several threads
+        decoder = backend.decoder  # byte-level BPE: each piece's characters stand for bytes (see token_bytes)
+        self._byte_level = decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
 
     def encode(self, text: str, bos: bool | None = None, special: bool = True) -> list[int]:
         """Token ids of `text`. special: a special token's name written in it ("<|im_start|>") is that token, else
@@ -71,8 +73,7 @@ class Tokenizer:
             raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
         if byte := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):  # sentencepiece's byte fallback
             return bytes([int(byte.group(1), 16)])
-        decoder = self.backend.decoder
-        if decoder is not None and b'"ByteLevel"' in decoder.__getstate__() and set(piece) <= _BYTE_OF.keys():
+        if self._byte_level and set(piece) <= _BYTE_OF.keys():
             return bytes(_BYTE_OF[c] for c in piece)
         return piece.replace("\u2581", " ").encode()  # sentencepiece writes a space as U+2581
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import gemv
 from model import Parts
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels (tinygemm on CUDA, int4pack on CPU) accept
@@ -108,8 +109,12 @@ INT4_MM = {"cpu": getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None),
            "cuda": getattr(torch.ops.aten, "_weight_int4pack_mm", None)}
 
 
-def int4_kernel(device: torch.device) -> str | None:
-    """'cpu' (int4pack_mm_for_cpu), 'cuda' (tinygemm, sm80+) or None (dequantize-then-matmul)."""
+def int4_kernel(device: torch.device, in_features: int = 0) -> str | None:
+    """'cpu' (int4pack_mm_for_cpu), 'words' (gemv.py, where torch dispatches AVX2: in_features a multiple of 64),
+    'cuda' (tinygemm, sm80+) or None (dequantize-then-matmul). Read from the kernels torch dispatches, not CPUID, so
+    ATEN_CPU_CAPABILITY=avx2 runs an AVX-512 machine as an AVX2 one."""
+    if device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX2" and in_features % gemv.SUPER == 0:
+        return "words"
     if device.type == "cpu" and INT4_MM["cpu"] is not None:
         return "cpu"
     if device.type == "cuda" and INT4_MM["cuda"] is not None and torch.cuda.get_device_capability(device)[0] >= 8:
@@ -204,6 +209,7 @@ class Int4Linear(Parts, nn.Module):
         self.register_buffer("scales_and_zeros", torch.zeros(self.in_padded // group_size, self.out_padded, 2,
                                                              dtype=KERNEL_DTYPE, device=device))
         self.bias = float_bias(out_features, dtype, device) if bias else None  # (N,), not padded
+        self.register_buffer("kernel_scales", None, persistent=False)  # the words layout's (gemv.half_group_scales)
 
     def quantize_weight(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """The plain buffers (weight, scales_and_zeros) for float weight w (N, K): this module's, or one part's
@@ -251,8 +257,11 @@ class Int4Linear(Parts, nn.Module):
         """Convert the plain `weight` bytes to the layout of this device's kernel, if it has one."""
         if self.kernel is not None or self.weight.device.type == "meta":
             return
-        kernel = int4_kernel(self.weight.device)
-        if kernel == "cpu":  # it packs each block of 16 rows on its own, so blocks of rows keep int32 copies small
+        kernel = int4_kernel(self.weight.device, self.in_padded)
+        if kernel == "words":
+            self.weight = gemv.pack_words(unpack_int4(self.weight))  # (N, K/64, 8) int32
+            self.kernel_scales = gemv.half_group_scales(self.scales_and_zeros, self.group_size)
+        elif kernel == "cpu":  # it packs each block of 16 rows on its own, so blocks of rows keep int32 copies small
             self.weight = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 unpack_int4(rows).to(torch.int32), 1) for rows in self.weight.split(ROW_BLOCK)])
         elif kernel == "cuda":
@@ -265,6 +274,8 @@ class Int4Linear(Parts, nn.Module):
         """The (N, K) codes, padding included, read back from whichever layout `weight` is in."""
         if self.kernel is None:
             return unpack_int4(self.weight)
+        if self.kernel == "words":
+            return gemv.unpack_words(self.weight)
         # The kernel reads its own layout: with scale 1 and zero 8 it computes identity @ (codes - 8 + 8)^T,
         # exactly (small integers, one non-zero product per sum, all exact in bf16).
         eye = torch.eye(self.in_padded, dtype=KERNEL_DTYPE, device=self.weight.device)  # (K, K)
@@ -289,6 +300,12 @@ class Int4Linear(Parts, nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if self.kernel is None:
             y = F.linear(x2, self.dequantize().to(x.dtype))  # (M, N)
+        elif self.kernel == "words" and x2.shape[0] > 1:  # prefill: float32 matmul, compute-bound
+            w = gemv.run(gemv.dequantize, self.weight, self.kernel_scales)[:self.out_features]  # (N, K padded)
+            y = F.linear(pad_columns(x2, self.in_padded), w.to(x.dtype))
+        elif self.kernel == "words":  # one row: the decode step
+            y = gemv.run(gemv.gemv, pad_columns(x2, self.in_padded)[0], self.weight, self.kernel_scales)
+            y = y[None, :self.out_features].to(x.dtype)
         else:
             y = self._kernel_mm(pad_columns(x2, self.in_padded), self.scales_and_zeros)  # (M, N padded)
             if self.out_padded != self.out_features:
@@ -305,7 +322,7 @@ class Int4Linear(Parts, nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         if self.kernel is not None:  # back to a plain buffer that the incoming plain bytes can be copied into
-            self.weight, self.kernel = pack_int4(self.codes()), None
+            self.weight, self.kernel, self.kernel_scales = pack_int4(self.codes()), None, None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.scales_and_zeros = self.scales_and_zeros.to(KERNEL_DTYPE)  # a loader may have cast it (exactly)
         self.pack_for_kernel()

@@ -1,0 +1,88 @@
+"""The AVX2 "words" layout of Int4Linear (gemv.py): exact packing, the one-row product and the dequantized weight
+against the plain reference, and a whole model decoding in it as in the plain layout. It runs on any CPU (the
+layout is chosen where torch dispatches AVX2; here it is forced), so CI on AVX-512 checks it too."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gemv
+import quantize as q
+from test_quantize import quantized_linear
+from tiny_models import hf_to_ours, make_hf
+
+
+def words_layout(monkeypatch):
+    monkeypatch.setattr(q, "int4_kernel", lambda device, in_features=0: "words" if in_features % 64 == 0 else None)
+
+
+def test_pack_unpack_words_round_trip():
+    codes = torch.randint(0, 16, (5, 192), dtype=torch.uint8)
+    words = gemv.pack_words(codes)
+    assert words.shape == (5, 3, 8) and words.dtype == torch.int32
+    assert torch.equal(gemv.unpack_words(words), codes)
+    # nibble b of word l in super-block j is column 64j + 8b + l
+    assert (words[2, 1, 3] >> 20) & 15 == codes[2, 64 + 8 * 5 + 3]
+
+
+@pytest.mark.parametrize("group", q.GROUP_SIZES)
+def test_gemv_and_dequantize_equal_the_plain_weight(group):
+    """The weight the layout multiplies by is the plain layout's (code - 8) * scale + zero, and gemv is that matrix
+    times x within float32 summation order (every code, both extremes, in every nibble position)."""
+    torch.manual_seed(0)
+    n, k = 48, 512
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    codes[0, :64] = torch.arange(64) % 16
+    scales_and_zeros = (torch.randn(k // group, n, 2) * 0.1).to(torch.bfloat16)
+    w = q.dequantize_int4(codes, scales_and_zeros)  # (N, K)
+    words, scales = gemv.pack_words(codes), gemv.half_group_scales(scales_and_zeros, group)
+    torch.testing.assert_close(gemv.dequantize(words, scales), w, rtol=0, atol=1e-6)
+    x = torch.randn(k)
+    torch.testing.assert_close(gemv.gemv(x, words, scales), w @ x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_gemv_equals_eager():
+    """Inductor's kernel for gemv (what an eager step calls) computes what the ops compute."""
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (96, 576), dtype=torch.uint8)
+    sz = (torch.randn(576 // 32, 96, 2) * 0.1).to(torch.bfloat16)
+    words, scales = gemv.pack_words(codes), gemv.half_group_scales(sz, 32)
+    x = torch.randn(576)
+    torch.testing.assert_close(gemv.run(gemv.gemv, x, words, scales), gemv.gemv(x, words, scales),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv.run(gemv.dequantize, words, scales), gemv.dequantize(words, scales),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n, k", [(64, 64), (40, 128), (17, 576)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int4_linear_in_words_layout_matches_reference(n, k, rows, monkeypatch):
+    """Int4Linear in the words layout: the same codes read back, a state dict in the plain layout, and outputs
+    equal to F.linear with dequantize() for one row (gemv) and several (the dequantized matmul)."""
+    words_layout(monkeypatch)
+    linear, module = quantized_linear("int4:32", n, k)
+    assert module.kernel == "words"
+    plain = module.quantize_weight(linear.weight)["weight"]
+    assert torch.equal(module.state_dict()["weight"], plain)
+    x = torch.randn(rows, k)
+    torch.testing.assert_close(module(x), F.linear(x, module.dequantize()), rtol=1e-5, atol=1e-5)
+
+
+def test_model_decodes_in_words_layout_as_in_plain_layout(monkeypatch):
+    """A whole int4 model, its logits for a prefill and one-token decode steps, in the words layout against the plain
+    one (dequantize-then-matmul): the same weights, so the same logits within float32 rounding."""
+    from kvcache import KVCache
+
+    torch.manual_seed(0)
+    hf = make_hf("llama-gqa")
+    logits = {}
+    for layout in ("words", None):  # head_dim 24: o_proj's 96 inputs take the plain layout
+        monkeypatch.setattr(q, "int4_kernel", lambda device, k=0, layout=layout: layout if k % 64 == 0 else None)
+        model = q.quantize_model(hf_to_ours(hf), "int4:32")
+        cache = KVCache.for_model(model.args, 1, 16, torch.float32, "cpu")
+        tokens = torch.tensor([[1, 5, 9, 3]])
+        out = [model(tokens, torch.arange(4), cache)[:, -1]]
+        for pos in range(4, 7):
+            out.append(model(tokens[:, :1] + pos, torch.tensor([pos]), cache)[:, -1])
+        logits[layout] = torch.stack(out)
+    torch.testing.assert_close(logits["words"], logits[None], rtol=1e-4, atol=1e-4)

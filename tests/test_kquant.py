@@ -18,7 +18,7 @@ import torch.nn as nn
 import quantize as q
 from gguffile import GGUF_BLOCK_NAMES, int4_blocks, read_gguf, unpermute_qk
 from load import checkpoint_modules, load_model
-from tiny_models import llama_cpp_permute, llama_gguf_writer
+from tiny_models import llama_gguf_writer
 
 BF16_U = 2.0 ** -8  # bf16 unit roundoff: |bf16(x) - x| <= 2^-8 |x|
 FP32_SLACK = 2.0 ** -22  # relative: (q - 8) * s + z and gguf's d·sc·q - dmin·m each round once or twice in float32
@@ -115,8 +115,7 @@ def test_q4_k_codes_equal_gguf_dequantize():
     linear = q.Int4Linear(512, 48, 32)
     linear.load_part(0, linear.buffers_for_codes(codes, scales, zeros))
     linear.pack_for_kernel()
-    got, err = linear.dequantize(), None
-    err = (got - want).abs()
+    err = (linear.dequantize() - want).abs()
     bound = int4_error_bound(codes, scales, zeros)
     assert (err <= bound + FP32_SLACK * (want.abs() + bound)).all(), (err - bound).max()
     exact = ((scales == scales.bfloat16().float()) & (zeros == zeros.bfloat16().float())).repeat_interleave(32, 1)
@@ -127,18 +126,17 @@ def test_q4_k_codes_equal_gguf_dequantize():
 
 # ---- tiny llama files: hidden 256, every K a multiple of 256 ----
 
-def kquant_config(n_layers: int = 2, tied: bool = False):
+def kquant_config(n_layers: int):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=n_layers,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-                       tie_word_embeddings=tied)
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
 
 
 def write_random_blocks_gguf(path, types: dict[str, str], seed: int = 0, n_layers: int = 2) -> str:
-    """A llama GGUF of random blocks: types maps a GGUF tensor name (blk.0.attn_v, output, token_embd) or a
-    block name for every layer (attn_q) to its type (F32 when absent: normal, std 0.05); norms F32 ones. The file's q/k rows are whatever the blocks
-    say (random): the load unpermutes them, and the tests compare in our order."""
+    """A llama GGUF of random blocks: types maps a GGUF tensor name (blk.0.attn_v, output, token_embd) or a block
+    name for every layer (attn_q) to its type (F32 when absent: normal, std 0.05); norms F32 ones. The q/k rows are
+    random in the file's order: the load unpermutes them, and the tests compare in ours."""
     cfg = kquant_config(n_layers)
     writer = llama_gguf_writer(path, cfg)
     rng = np.random.default_rng(seed)
@@ -273,6 +271,26 @@ def test_q4_k_codes_logits_equal_dequantize_then_matmul(q4_k_m_like):
     rel = ((got - want).abs().max() / want.abs().max()).item()
     print(f"\nQ4_K codes vs dequantize-then-matmul: logits max |diff| / max |ref| {rel:.2e}")
     assert rel <= 1.6e-2
+
+
+def test_quantize_modes_on_a_q4_k_file(q4_k_m_like):
+    """--quantize int4:32 keeps the Q4_K modules' codes and quantizes the dequantized rest to int4:32; int4:64
+    quantizes everything from the dequantized floats, exactly as quantize_model does on the `none` load."""
+    import copy
+
+    native, _ = load_model(q4_k_m_like, "cpu", torch.float32)
+    exact, _ = load_model(q4_k_m_like, "cpu", torch.float32, quantize="none")
+    for mode in ("int4:32", "int4:64"):
+        model, _ = load_model(q4_k_m_like, "cpu", torch.float32, quantize=mode)
+        requantized = q.quantize_model(copy.deepcopy(exact), mode).state_dict()
+        for name, module in model.named_modules():
+            if not (name.startswith("layers.") and name.endswith("_proj")):
+                continue
+            assert isinstance(module, q.Int4Linear) and module.group_size == int(mode[5:]), (mode, name)
+            kept = native.get_submodule(name) if mode == "int4:32" else None
+            want = kept.state_dict() if isinstance(kept, q.Int4Linear) else \
+                {k.removeprefix(name + "."): t for k, t in requantized.items() if k.startswith(name + ".")}
+            assert all(torch.equal(t, want[k]) for k, t in module.state_dict().items()), (mode, name)
 
 
 @pytest.mark.parametrize("kind", ["Q5_K", "Q6_K", "Q2_K", "Q3_K", "Q8_0"])

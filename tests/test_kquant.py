@@ -9,6 +9,7 @@ dmin·m (float32; s exactly, z rounded once); Int4Linear keeps s and z in bf16, 
 import os
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -126,11 +127,11 @@ def test_q4_k_codes_equal_gguf_dequantize():
 
 # ---- tiny llama files: hidden 256, every K a multiple of 256 ----
 
-def kquant_config(n_layers: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=n_layers,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+def kquant_config(n_layers: int) -> SimpleNamespace:
+    """What llama_gguf_writer reads of a transformers LlamaConfig (importing transformers would take seconds)."""
+    return SimpleNamespace(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=n_layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           rms_norm_eps=1e-5, rope_theta=10000.0)
 
 
 def write_random_blocks_gguf(path, types: dict[str, str], seed: int = 0, n_layers: int = 2) -> str:

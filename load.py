@@ -348,7 +348,8 @@ class GGUFRoutes:
             if name.startswith("layers.") and name.endswith("_proj.weight"):
                 kinds.setdefault(slots[name.removesuffix(".weight")][0], set()).add(t.tensor_type.name)
         as_codes = shard is None and not request.head and (request.as_stored or request.mode == "int4:32")
-        codes = frozenset(m for m, types in kinds.items() if as_codes and types <= set(gguffile.INT4_TYPES))
+        codes = frozenset(m for m, types in kinds.items() if types <= set(gguffile.INT4_TYPES)) if as_codes else \
+            frozenset()
         # Without --quantize, a Q8_0 head runs as the file's codes, in a float32 model too: the kernel rounds the
         # head's input to bf16, which costs SmolLM2 less than a bf16 model does (KL 5.1e-4 against 2.2e-4 with a
         # float32 head, top-1 unchanged; README, Quantization), and the head is then exact whatever the row count,

@@ -1,5 +1,5 @@
 """Reading a GGUF file: its metadata as plain Python values and its tensors as memory-mapped numpy arrays; and the
-format's conversions to this runtime's: tensor names, llama.cpp's q/k row order, the Q4_0/Q4_1/Q8_0 blocks as
+format's conversions to this runtime's: tensor names, llama.cpp's q/k row order, the Q4_0/Q4_1/Q4_K/Q8_0 blocks as
 codes and scales, and dequantization in bounded steps (load.py decides which a tensor gets).
 
 gguf's GGUFReader reads the same, but builds numpy views for every part of every metadata value: on SmolLM2 (a
@@ -191,13 +191,15 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-INT4_TYPES = ("Q4_0", "Q4_1")  # llama.cpp block types whose codes Int4Linear (group 32) takes as they are
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # llama.cpp block types whose codes Int4Linear (group 32) takes as they are
 
 
 def int4_blocks(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q4_1 tensor's codes (N, K) uint8 in [0, 15] and per-block scale and zero (N, K/32) float32, in our
+    """A Q4_0/Q4_1/Q4_K tensor's codes (N, K) uint8 in [0, 15] and per-32 scale and zero (N, K/32) float32, in our
     int4 scheme w = (q - 8) * scale + zero. Q4_1 stores d and m with w = d * q + m: scale d, zero m + 8d; Q4_0 is
     w = d * (q - 8): zero 0. A block's 16 bytes hold weights j (low nibble) and j + 16 (high nibble)."""
+    if t.tensor_type.name == "Q4_K":
+        return q4_k_blocks(t, shape)
     N, K = shape
     raw = torch.from_numpy(t.data.copy()).view(N, K // 32, -1)  # (N, blocks, bytes per block)
     d = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, K/32)
@@ -208,6 +210,33 @@ def int4_blocks(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, 
         qs, zeros = raw[..., 2:18], torch.zeros_like(d)
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).view(N, K)  # (N, K/32, 16) x 2 -> (N, K)
     return codes, d, zeros
+
+
+def k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 6-bit scales and mins of a Q4_K/Q5_K super-block's 8 sub-blocks from its 12 bytes: (..., 12) uint8 ->
+    (..., 8) each. Sub-blocks 0-3 have theirs in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7
+    their low 4 bits in bytes 8-11 (scale: low nibble, min: high) and their top 2 bits in the top 2 of bytes 0-7."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]  # (..., 4) each
+    scales = torch.cat([a & 63, (c & 15) | ((a >> 2) & 48)], dim=-1)
+    mins = torch.cat([b & 63, (c >> 4) | ((b >> 2) & 48)], dim=-1)
+    return scales, mins
+
+
+def q4_k_blocks(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4_blocks for Q4_K. A 144-byte super-block of 256 weights: d and dmin (float16), the 12 bytes of its 8
+    sub-blocks' 6-bit scales sc and mins m, then 128 bytes of codes, bytes 32c..32c+31 holding sub-block 2c (low
+    nibbles) and 2c + 1 (high). w = d·sc·q - dmin·m: scale d·sc and zero 8·d·sc - dmin·m. d·sc and dmin·m are exact
+    in float32 (a float16 times a 6-bit integer), so the zero is rounded once, by the subtraction."""
+    N, K = shape
+    raw = torch.from_numpy(t.data.copy()).view(N, K // 256, 144)  # (N, super-blocks, bytes)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float()  # (N, K/256, 1)
+    dmin = raw[..., 2:4].contiguous().view(torch.float16).float()
+    sc, m = k_scales_and_mins(raw[..., 4:16])  # (N, K/256, 8)
+    qs = raw[..., 16:].reshape(N, K // 256, 4, 1, 32)  # (N, K/256, pairs of sub-blocks, 1, 32)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=3).view(N, K)  # (N, K/256, 4, 2, 32) -> (N, K)
+    scales = d * sc.float()  # (N, K/256, 8)
+    zeros = 8 * scales - dmin * m.float()
+    return codes, scales.view(N, K // 32), zeros.view(N, K // 32)
 
 
 def q8_0_blocks(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ checkpoint parts into its own rows as they arrive.
 Quantization happens here too, tensor by tensor, so the full-precision model never exists in memory:
 `load_model(..., quantize="int4:64")` quantizes each linear weight as it is read; a folder written by
 `export.py` (quantization recorded in its safetensors metadata) is rebuilt with the same modules; a GGUF file's
-Q4_0/Q4_1 linears load as int4 codes as they are (the format itself is gguffile.py's).
+Q4_0/Q4_1/Q4_K linears load as int4 codes as they are (the format itself is gguffile.py's).
 
 Mixtral's experts are one module per expert (model.MoE), named `layers.N.mlp.experts.E.{gate,up,down}_proj`
 here whatever the file's layout: the original per-expert `block_sparse_moe.experts.E.w1/w3/w2`, transformers 5's
@@ -31,7 +31,8 @@ import gguffile
 import hffolder
 from config import ModelArgs
 from model import Parts, Transformer
-from quantize import Int4Linear, Int8GroupLinear, Int8Linear, dequantize_state, mode_name, parse_mode, swap_linears
+from quantize import (Int4Linear, Int8GroupLinear, Int8Linear, dequantize_state, make_quantized_linear, mode_name,
+                      parse_mode, swap_linears)
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -40,7 +41,7 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 class Request:
     """load_model's quantize and quantize_head, decoded once. mode: what float linears are quantized into as they
     are read ("int8", "int4:G"; None: they stay float); head: the LM head too; as_stored: no `quantize` at all, so
-    a file's own codes load as they are (a quantized folder; a GGUF's Q4_0/Q4_1 linears and Q8_0 head)."""
+    a file's own codes load as they are (a quantized folder; a GGUF's Q4_0/Q4_1/Q4_K linears and Q8_0 head)."""
     mode: str | None = None
     head: bool = False
     as_stored: bool = True
@@ -78,8 +79,8 @@ def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progr
                quantize: str | None = None, quantize_head: bool = False, shard=None) -> tuple[Transformer, str]:
     """Load `model` (HF folder, hub id or .gguf file) onto device in dtype; returns (model, local path).
     quantize ('int8', 'int4', 'int4:GROUP') quantizes the linear layers (and the head with quantize_head)
-    while loading; None loads the checkpoint as it is: a quantized folder as saved, a GGUF file's Q4_0/Q4_1
-    linears as int4:32 codes (gguf_native), anything else in dtype; 'none' dequantizes a GGUF file's
+    while loading; None loads the checkpoint as it is: a quantized folder as saved, a GGUF file's Q4_0/Q4_1/Q4_K
+    linears as int4:32 codes (GGUFRoutes), anything else in dtype; 'none' dequantizes a GGUF file's
     quantized tensors too. A quantized folder cannot be re-quantized: a different `quantize` for it is an error.
     shard (a tp.Shard) loads only this rank's slices into its smaller model (safetensors: only those bytes
     are read), ready for tp.install."""
@@ -330,20 +331,25 @@ class GGUFRoutes:
     """How the tensors of one GGUF file load, decided once from the file and the request; put() sends each tensor
     down its one route: the head's Q8_0 codes, a block linear's Q4 codes, or dequantized (then cast or quantized)."""
     args: ModelArgs  # the full model's: q/k heads to unpermute, and what a shard slices
-    native: bool  # the block linears take the file's Q4_0/Q4_1 codes as they are (Int4Linear int4:32)
+    codes: frozenset[str]  # the block linears (our modules) that take the file's Q4 codes as they are (int4:32)
     q8_0_head: str | None  # the tensor whose Q8_0 codes the head runs as (Int8GroupLinear), or None
     permuted_qk: bool  # q/k rows in llama.cpp's interleaved RoPE order (gguffile.PERMUTED_QK)
     shard: object = None
 
     @classmethod
-    def decide(cls, tensors: dict, args: ModelArgs, arch: str, request: Request, shard) -> "GGUFRoutes":
-        """Native codes when every block linear is Q4_0/Q4_1 (llama.cpp's 4-bit blocks of 32) and nothing asks for
-        other modules: another mode, a quantized head (quantized from the dequantized embedding), a shard (which
-        slices dequantized rows)."""
-        linears = [t.tensor_type.name for name, t in tensors.items()
-                   if name.startswith("layers.") and name.endswith("_proj.weight")]
-        q4 = bool(linears) and all(kind in gguffile.INT4_TYPES for kind in linears)
-        native = q4 and shard is None and not request.head and (request.as_stored or request.mode == "int4:32")
+    def decide(cls, tensors: dict, slots: dict[str, tuple[str, int]], args: ModelArgs, arch: str, request: Request,
+               shard) -> "GGUFRoutes":
+        """A block linear (slots: checkpoint module -> ours, so q/k/v are qkv_proj's parts) takes the file's codes
+        when each of its parts is Q4_0/Q4_1/Q4_K (4-bit blocks of 32) and nothing asks for other modules: another
+        mode, a quantized head (quantized from the dequantized embedding), a shard (which slices dequantized rows).
+        The others dequantize: a Q4_K_M file's Q6_K attn_v makes its layer's qkv_proj float."""
+        kinds: dict[str, set[str]] = {}  # our block linear -> its parts' block types
+        for name, t in tensors.items():
+            if name.startswith("layers.") and name.endswith("_proj.weight"):
+                kinds.setdefault(slots[name.removesuffix(".weight")][0], set()).add(t.tensor_type.name)
+        as_codes = shard is None and not request.head and (request.as_stored or request.mode == "int4:32")
+        codes = frozenset(m for m, types in kinds.items() if types <= set(gguffile.INT4_TYPES)) if as_codes else \
+            frozenset()
         # Without --quantize, a Q8_0 head runs as the file's codes, in a float32 model too: the kernel rounds the
         # head's input to bf16, which costs SmolLM2 less than a bf16 model does (KL 5.1e-4 against 2.2e-4 with a
         # float32 head, top-1 unchanged; README, Quantization), and the head is then exact whatever the row count,
@@ -351,14 +357,16 @@ class GGUFRoutes:
         # matrix of a small model, read every step in 1.25 bytes a weight instead of bf16's 2.
         head = "lm_head.weight" if "lm_head.weight" in tensors else "embed_tokens.weight"  # tied: the embedding
         q8_0 = request.as_stored and shard is None and tensors[head].tensor_type.name == "Q8_0"
-        return cls(args, native, head if q8_0 else None, arch in gguffile.PERMUTED_QK, shard)
+        return cls(args, codes, head if q8_0 else None, arch in gguffile.PERMUTED_QK, shard)
 
     def swap_modules(self, model: Transformer, request: Request) -> None:
         """Swap in the modules this load builds (after the Filler took the file's float names)."""
-        if self.native:
-            swap_linears(model, "int4:32")
-        elif request.mode is not None:
+        if request.mode is not None:  # int4:32 too: the code modules take the codes, the rest is quantized
             swap_linears(model, request.mode, request.head)
+        for name in self.codes:
+            linear = model.get_submodule(name)
+            if not isinstance(linear, Int4Linear):
+                model.set_submodule(name, make_quantized_linear("int4", 32, linear, model.norm.weight.dtype))
         if self.q8_0_head:  # a tied embedding keeps its dequantized copy for the lookup
             model.lm_head = Int8GroupLinear(model.args.dim, model.args.vocab_size, device="meta")
 
@@ -369,7 +377,7 @@ class GGUFRoutes:
                 return  # untied; a tied head's matrix is also the embedding, dequantized below
         heads = self.args.n_heads if "q_proj" in name else self.args.n_kv_heads
         qk = self.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight"))
-        if self.native and name.endswith("_proj.weight"):
+        if name.endswith("_proj.weight") and filler.slots[name.removesuffix(".weight")][0] in self.codes:
             blocks = gguffile.int4_blocks(t, shape)
             filler.put_int4_blocks(name, *(gguffile.unpermute_qk(x, heads) if qk else x for x in blocks))
             return
@@ -414,7 +422,7 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool, request: Re
     shapes = {k: shard.local_shape(k, v, full_args) for k, v in full_shapes.items()} if shard else full_shapes
     check_tensors(checkpoint_shapes(model), shapes, path)
     filler = Filler(model, device, dtype, path)
-    routes = GGUFRoutes.decide(tensors, full_args, arch, request, shard)
+    routes = GGUFRoutes.decide(tensors, filler.slots, full_args, arch, request, shard)
     routes.swap_modules(model, request)
     for name, t in tqdm(tensors.items(), desc="loading", disable=not progress, unit="tensor"):
         routes.put(filler, name, t, full_shapes[name])

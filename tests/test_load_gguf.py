@@ -17,6 +17,7 @@ from tiny_models import greedy_ids, llama_cpp_permute, llama_gguf_writer
 BF16_U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits): |bf16(x) - x| <= 2^-8 |x|
 FP32_SLACK = 2.0 ** -22  # relative: each path rounds (q - 8) * d + zero / d * q + m once or twice in float32
 BLOCK_LINEARS = [name for name in GGUF_BLOCK_NAMES.values() if name.endswith("_proj")]
+BLOCK_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # ours, fused
 
 
 # ---- a tiny llama GGUF written from a random transformers model ----
@@ -168,14 +169,16 @@ def test_float_file_loads_as_before_and_matches_transformers(gguf_file):
         assert diff <= 1e-4, diff
 
 
-@pytest.mark.parametrize("types", [dict(linear_type="Q8_0"),
-                                   dict(linear_type="Q4_1", ffn_down="Q8_0"),
-                                   dict(linear_type="Q4_0", attn_v="F32")])
-def test_files_not_all_q4_load_as_float(gguf_file, types):
-    """Native codes only when every block linear is Q4_0/Q4_1; otherwise the file dequantizes, as before."""
+@pytest.mark.parametrize("types, floats", [(dict(linear_type="Q8_0"), BLOCK_MODULES),
+                                           (dict(linear_type="Q4_1", ffn_down="Q8_0"), ("mlp.down_proj",)),
+                                           (dict(linear_type="Q4_0", attn_v="F32"), ("self_attn.qkv_proj",))])
+def test_modules_not_all_q4_load_as_float(gguf_file, types, floats):
+    """Native codes per module: a block linear whose parts are all Q4_0/Q4_1 runs as Int4Linear, one with another
+    part (a Q8_0 ffn_down, an F32 attn_v in the fused qkv_proj) dequantizes."""
     path, _ = gguf_file(**types)
     model, _ = load_model(path, "cpu", torch.float32)
-    assert all(isinstance(m, nn.Linear) for m in block_linears(model).values())
+    for name, m in block_linears(model).items():
+        assert isinstance(m, nn.Linear if name.split(".", 2)[2] in floats else q.Int4Linear), name
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])

@@ -41,7 +41,7 @@ def test_linear_rows_do_not_depend_on_the_other_rows(dtype):
     x = torch.randn(1, 80).to(dtype)
     with invariant.BatchInvariant():
         alone = F.linear(x, w, b)
-        for i, (before, after) in enumerate(PLACES):
+        for i, (before, after) in enumerate(PLACES + [(p, 40) for p in range(invariant.ROWS)]):  # every place
             assert torch.equal(F.linear(rows_around(x, before, after, i), w, b)[before], alone[0])
     torch.testing.assert_close(alone, F.linear(x, w, b), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
 
@@ -70,8 +70,9 @@ def test_matmul_is_invariant_to_rows_columns_and_zero_tails():
     torch.testing.assert_close(y, a @ b, rtol=1e-5, atol=1e-4)
     one = invariant.matmul(a[:, :, 5:6], b)  # a row alone
     assert torch.equal(one[:, :, 0], y[:, :, 5])
-    more_rows = torch.cat([torch.randn(2, 3, 33, 100), a[:, :, 5:6], torch.randn(2, 3, 9, 100)], dim=2)
-    assert torch.equal(invariant.matmul(more_rows, b)[:, :, 33], y[:, :, 5])
+    for before in range(invariant.TILE_ROWS + 1):  # every place in a tile
+        more_rows = torch.cat([torch.randn(2, 3, before, 100), a[:, :, 5:6], torch.randn(2, 3, 9, 100)], dim=2)
+        assert torch.equal(invariant.matmul(more_rows, b)[:, :, before], y[:, :, 5])
     more_columns = torch.cat([torch.randn(2, 1, 100, 5), b, torch.randn(2, 1, 100, 200)], dim=3)
     assert torch.equal(invariant.matmul(a, more_columns)[..., 5:75], y)
     # a longer reduced dim whose extra a-entries are zero (probabilities of masked keys) and b-rows anything
@@ -174,20 +175,25 @@ def test_served_logprobs_are_bitwise_equal_only_when_deterministic(tiny):
 
 
 @pytest.mark.slow
-def test_smollm2_served_logprobs_are_bitwise_equal(smollm2_gguf, smollm2_tokenizer):
-    """SmolLM2 as serve.py loads it by default here (the GGUF's int4 linears, bf16 activations)."""
+@pytest.mark.parametrize("quantize", [None, "none"])
+def test_smollm2_served_logprobs_are_bitwise_equal(smollm2_gguf, smollm2_tokenizer, quantize):
+    """SmolLM2 in bf16 with the GGUF's int4 linears (as serve.py loads it by default) and dequantized to bf16
+    weights, where the default's one-row steps (MKL) and batches (oneDNN) differ. Through serve.py's flag."""
     from load import load_model
     from serve import make_engine, parse_args
 
-    model, _ = load_model(smollm2_gguf, "cpu", torch.bfloat16)
+    model, _ = load_model(smollm2_gguf, "cpu", torch.bfloat16, quantize=quantize)
     target = smollm2_tokenizer.encode("The three primary colours are red, yellow and blue; mixing two of them")
     warm = target[:-5] + smollm2_tokenizer.encode(" gives")
     det = scenarios(model, True, target, 6, warm)
     for name in ("15 concurrent", "chunked prefill", "prefix-cache hit"):
         assert det[name] == det["alone"], name
-    engine = make_engine(parse_args(["--deterministic"]), model, smollm2_tokenizer)  # the server's flag
+    engine = make_engine(parse_args(["--deterministic"]), model, smollm2_tokenizer)
     assert engine.decode_step.deterministic
     assert served_logprobs(engine, [target], 6)[0] == det["alone"]
+    if quantize == "none":
+        default = scenarios(model, False, target, 6, warm)
+        assert default["15 concurrent"] != default["alone"] and default["chunked prefill"] != default["alone"]
 
 
 def test_deterministic_runs_eagerly_and_not_for_mixtral(tiny, cli_error):

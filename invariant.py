@@ -18,7 +18,8 @@ swapped, while the mode is on, for one that calls the library with one fixed sha
   / sqrt(D)), so a query gets the same bits whether a decode step, a verify or a long prefill chunk computes it.
 Row-wise ops (RMSNorm, the activations, RoPE, the embedding) compute each row alone already.
 
-The guarantee is per machine and thread count: other kernels (or other CPUs' vector widths) round differently.
+The guarantee is per machine, torch build and thread count: other kernels (other CPUs' vector widths) round
+differently.
 
 Shape legend: M rows, K reduced dim, N columns, n batched matmuls, mt/kt/nt tiles along M/K/N.
 """
@@ -33,10 +34,10 @@ TILE_ROWS = 32  # rows per tile of a batched matmul (attention): fewer, larger t
 BLOCK = 64  # keys (and reduced-dim elements) per attention tile; a multiple of every CPU's float vector width
 
 
-def pad_rows(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
     """x (M, K) as a new tensor of rows padded to a multiple of ROWS. Always a copy (F.pad copies even when it adds
     nothing): a fresh allocation, so every tile starts on the same alignment."""
-    return F.pad(x, (0, 0, 0, -x.shape[0] % ROWS), value=value)
+    return F.pad(x, (0, 0, 0, -x.shape[0] % ROWS))
 
 
 def tiled_rows(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -47,8 +48,8 @@ def tiled_rows(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a (..., M, K) @ b (..., K, N), batch dims broadcast: one torch.bmm over tiles (TILE_ROWS, BLOCK) x (BLOCK, BLOCK),
-    then the kt partial products of each output tile summed in order."""
+    """a (..., M, K) @ b (..., K, N), batch dims broadcast: one torch.bmm over tiles (TILE_ROWS, BLOCK) x
+    (BLOCK, BLOCK), then the kt partial products of each output tile summed in order."""
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     (M, K), N = a.shape[-2:], b.shape[-1]
     a = F.pad(a, (0, -K % BLOCK, 0, -M % TILE_ROWS)).expand(*batch, -1, -1)  # (..., Mp, Kp), zeros add nothing
@@ -66,7 +67,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return y.reshape(*batch, M, N).contiguous()  # callers view it
 
 
-def softmax(x: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None):
+def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """softmax over the last dim, its sum taken in order (cumsum): keys past the row's last one (-inf) add exact
     zeros. The row is padded to a multiple of BLOCK, so exp's vectorized loop takes every element (its scalar tail,
     which rounds differently, takes none)."""
@@ -103,7 +104,8 @@ def row_op(op):
 def swaps() -> dict:
     """The functions BatchInvariant replaces, each with its batch-invariant version."""
     table = {F.linear: row_op(F.linear), F.scaled_dot_product_attention: attention,
-             torch.softmax: softmax, torch.Tensor.softmax: softmax, F.softmax: softmax}
+             torch.softmax: softmax, torch.Tensor.softmax: softmax,
+             F.softmax: lambda x, dim=None, _stacklevel=3, dtype=None: softmax(x, dim, dtype)}
     for name in ("bmm", "matmul", "__matmul__"):
         table[getattr(torch.Tensor, name)] = matmul
     table[torch.bmm] = table[torch.matmul] = matmul

@@ -27,8 +27,8 @@ from tiny_models import reference_attention
 def rows_around(x: torch.Tensor, before: int, after: int, seed: int) -> torch.Tensor:
     """x (1, K) with `before` random rows above it and `after` below (scaled, so the other rows differ in size)."""
     g = torch.Generator().manual_seed(seed)
-    other = lambda n: (torch.randn(n, x.shape[1], generator=g) * 10).to(x.dtype)  # noqa: E731
-    return torch.cat([other(before), x, other(after)])
+    above, below = (torch.randn(n, x.shape[1], generator=g) * 10 for n in (before, after))
+    return torch.cat([above.to(x.dtype), x, below.to(x.dtype)])
 
 
 PLACES = [(0, 0), (3, 1), (15, 0), (16, 4), (21, 30), (0, 47)]  # rows before and after the row followed
@@ -131,7 +131,8 @@ def test_logits_are_equal_for_every_chunking_and_cache_length(tiny):
 
 def random_prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 160, (int(length),), generator=g).tolist() for length in torch.randint(3, 60, (n,), generator=g)]
+    lengths = torch.randint(3, 60, (n,), generator=g).tolist()
+    return [torch.randint(1, 160, (length,), generator=g).tolist() for length in lengths]
 
 
 def served_logprobs(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple]]:

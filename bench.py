@@ -28,7 +28,7 @@ from load import load_model
 from model import ModelArgs, Transformer
 from quantize import describe, quantize_model, weight_bytes
 from sample import SamplingParams
-from step import COMPILE_MODES, Step
+from step import COMPILE_MODES, DETERMINISTIC_HELP, Step
 
 # Published shapes, for random-weight runs and capacity plans.
 SHAPES = {
@@ -258,6 +258,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--compile", nargs="?", const="full", default="auto", choices=COMPILE_MODES,
                    help="how the decode step runs, as generate.py --compile (default auto: blocks on CPU)")
+    p.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     p.add_argument("--quantize", default=None, metavar="MODE", help="int8, int4, int4:GROUP or none (as generate.py)")
     p.add_argument("--quantize-head", action="store_true", help="with --quantize: the LM head too")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
@@ -313,7 +314,7 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"prompt + new tokens = {max_len} exceeds the model's context of {model.args.max_seq_len}")
     bandwidth = measure_bandwidth(device)
     peak_tflops = measure_matmul_tflops(device, dtype)
-    step = Step(model, args.compile)
+    step = Step(model, args.compile, deterministic=args.deterministic)
     rows = [bench(model, device, b, p, args.new_tokens, args.runs, step, bandwidth, peak_tflops)
             for b in args.batch_size for p in args.prompt_len]
     if args.json_schema is not None:
@@ -330,7 +331,8 @@ def run(args: argparse.Namespace) -> None:
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
               f"weights {describe(model)} | "
-              f"{'eager' if step.mode == 'none' else 'compiled: ' + step.mode} | {args.new_tokens} new tokens, "
+              f"{'eager' if step.mode == 'none' else 'compiled: ' + step.mode}"
+              f"{', deterministic' if step.deterministic else ''} | {args.new_tokens} new tokens, "
               f"median of {args.runs}")
     if step.mode != "none":
         header += f" | compile + first run {rows[0]['compile_s']:.1f} s"

@@ -46,7 +46,7 @@ from quantize import describe, parse_mode, quantization_of, weight_bytes
 from sample import SamplingParams
 import speculative
 from speculative import ModelDraft, PromptLookupDraft, SpecStats
-from step import COMPILE_HELP, COMPILE_MODES, Step
+from step import COMPILE_HELP, COMPILE_MODES, DETERMINISTIC_HELP, Step, check_deterministic
 from text import Completion, check_stop, complete, complete_batch, completion_json
 from tokenizer import load_tokenizer
 from tools import CHOICES, ToolRequest, finish_reason, message as tool_message, tool_request
@@ -148,6 +148,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"torch.compile the decode step; --compile alone is full. {COMPILE_HELP}")
     p.add_argument("--compile-prefill", action="store_true", help="--compile full, and the prefill too (dynamic "
                    "prompt length: no recompiles; opt-in, since its compile time rarely pays on CPU: see README)")
+    p.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     p.add_argument("--quantize", default=None, metavar="MODE",
                    help="weight-only quantization of the linear layers while loading: int8 (per output channel), "
                    "int4 (group 32) or int4:GROUP (32, 64, 128, 256); none: dequantize a quantized GGUF file. "
@@ -252,6 +253,8 @@ def check_args(args: argparse.Namespace) -> SamplingParams:
             parse_mode(mode)
     if args.quantize_head and args.quantize is None:
         raise ValueError("quantize_head (--quantize-head) needs a quantization mode (--quantize)")
+    if args.deterministic:
+        check_deterministic(args.compile, args.compile_prefill)
     if args.speculate_k < 1:
         raise ValueError(f"--speculate-k must be >= 1, got {args.speculate_k}")
     if speculating(args):
@@ -341,7 +344,7 @@ def run(args: argparse.Namespace) -> None:
     generator.manual_seed(seed if shard is None else tp.same_seed(seed, device))
     if shard is not None:
         tp.install(model)
-    step = Step(model, args.compile, args.compile_prefill)
+    step = Step(model, args.compile, args.compile_prefill, args.deterministic)
     # The summary line after the speed: where and in what dtype it ran, what ran (read at the end: setup_line), then
     # the sharding, the weights and the constraint.
     where = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
@@ -427,7 +430,7 @@ def step_label(step: Step, args: argparse.Namespace) -> str:
     """What ran, for the summary line, read from the step after the run: 'compiled: blocks (auto)', 'eager', or
     'eager (compile failed)' when auto's compile fell back."""
     if step.mode == "none":
-        return "eager (compile failed)" if step.failed else "eager"
+        return "eager (compile failed)" if step.failed else "eager, deterministic" if step.deterministic else "eager"
     return f"compiled: {step.mode}" + (" (+prefill)" if args.compile_prefill else
                                         " (auto)" if args.compile == "auto" else "")
 

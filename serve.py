@@ -64,7 +64,7 @@ from gate import (BACKLOG, LOCAL_HOSTS, Connections, Gate, GuardedH11Protocol, Q
                   use_file_descriptors)
 from grammar import Compiler, Constraint, Grammar
 from protocol import BadRequest, error_body, longest_token, parse_body, parse_detokenize, parse_json, parse_tokenize
-from step import COMPILE_HELP, COMPILE_MODES, Step
+from step import COMPILE_HELP, COMPILE_MODES, DETERMINISTIC_HELP, Step, check_deterministic
 from toolcalls import FORMATS
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
@@ -504,6 +504,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="how the engine's decode steps run, as generate.py --compile (default none here: a compiled "
                    "block measured no faster in the engine, and each new batch shape compiles during a request; "
                    f"see README). {COMPILE_HELP}")
+    p.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     p.add_argument("--block-size", type=int, default=defaults.block_size, help="positions per KV block")
     p.add_argument("--num-blocks", type=num_blocks_arg, default="auto",
                    help="KV blocks in the pool, block 0 (padding) included (default auto: one sequence of the "
@@ -550,6 +551,8 @@ def check_flags(args: argparse.Namespace) -> None:
                  "max_model_len"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.deterministic:
+        check_deterministic(args.compile, False)
     if args.num_blocks != "auto" and args.num_blocks < 2:
         raise ValueError(f"--num-blocks must be >= 2 (block 0 only pads block tables), got {args.num_blocks}")
     if not 0 <= args.port < 65536:
@@ -603,7 +606,8 @@ def served_name(model: str) -> str:
 def make_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
     """The engine serve.py runs: the flags' pool and limits, and its forwards as --compile says (step.Step)."""
     context = min(model.args.max_seq_len, args.max_model_len or model.args.max_seq_len)
-    return Engine(model, tokenizer, engine_config(args, context), Step(model, args.compile))
+    return Engine(model, tokenizer, engine_config(args, context),
+                  Step(model, args.compile, deterministic=args.deterministic))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -643,11 +647,11 @@ def run(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn, off the main thread, installs no handlers of its own
         signal.signal(sig, lambda *_: server.loop.call_soon_threadsafe(server.begin_shutdown))
     if not args.quiet:
+        mode = engine.decode_step.mode
+        runs = f"compiled: {mode}" if mode != "none" else "eager, deterministic" if args.deterministic else "eager"
         print(f"serving {names[0]} on http://{args.host}:{args.port} | {device.type} "
               f"{str(dtype).removeprefix('torch.')} ({dtype_why}) | API key {'required' if args.api_key else 'off'} "
-              f"| {config} | "
-              f"{'eager' if engine.decode_step.mode == 'none' else 'compiled: ' + engine.decode_step.mode}",
-              file=sys.stderr)
+              f"| {config} | {runs}", file=sys.stderr)
     # The engine steps on the main thread and uvicorn serves from another: here, torch's OpenMP-parallel ops
     # ran several times slower when called from a thread other than the main one (README, Serving).
     try:

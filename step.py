@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
+from invariant import BatchInvariant
 from kvcache import KVCache
 from model import DECODE_QUERIES, Block, Transformer
 from quantize import Int8Linear
@@ -24,6 +25,8 @@ COMPILE_MODES = ("auto", "none", "blocks", "full")
 COMPILE_HELP = ("none: eager; blocks: one compiled graph for every layer's decode step (seconds to compile); "
         "full: the whole decode step as one graph (about a minute to compile on CPU, fastest); auto "
         "(default): blocks on CPU for a dense model in one process, else none")
+DETERMINISTIC_HELP = ("batch-invariant forwards: a request's logits are bitwise the same whatever else is batched "
+        "with it, however its prefill is chunked and whether its prefix was cached (eager; slower: README, Exactness)")
 
 
 def forward_logits(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
@@ -104,6 +107,17 @@ def compile_failure(e: Exception) -> str:
     return f"torch.compile failed ({type(e).__name__}: {first[:200]})"
 
 
+def check_deterministic(mode: str, compile_prefill: bool, model: Transformer | None = None) -> None:
+    """The deterministic mode runs eagerly, and not for Mixtral: a one-row MoE step adds its k experts' outputs in
+    the router's order, a batch in expert order (model.MoE), and a sum's rounding depends on its order. Without a
+    model (the flags, before it loads), the compile mode only."""
+    if mode not in ("auto", "none") or compile_prefill:
+        raise ValueError(f"--deterministic runs eagerly; it cannot take --compile {mode}"
+                         f"{' --compile-prefill' if compile_prefill else ''}")
+    if model is not None and model.args.n_experts is not None:
+        raise ValueError("--deterministic does not support mixture-of-experts models (Mixtral)")
+
+
 class Step:
     """One model's forwards. "none": eager. "blocks": each decode step (and each verify: every position's logits,
     at most DECODE_QUERIES tokens) runs its layers through one compiled Block.forward; the layers share their code
@@ -114,10 +128,15 @@ class Step:
     multi-token forwards too, their length symbolic. "auto": auto_mode's choice, where a failed compile (no C++
     compiler, say) prints one warning and goes on eagerly; an explicit mode turns it into a one-line ValueError."""
 
-    def __init__(self, model: Transformer, mode: str = "none", compile_prefill: bool = False):
+    def __init__(self, model: Transformer, mode: str = "none", compile_prefill: bool = False,
+                 deterministic: bool = False):
         if mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile mode {mode!r}; choose from {', '.join(COMPILE_MODES)}")
         self.model = model
+        self.deterministic = deterministic
+        if deterministic:
+            check_deterministic(mode, compile_prefill, model)
+            mode = "none"
         self.fallback = mode == "auto" and not compile_prefill
         self.failed = False  # the compile failed and the step went on eagerly (mode "none")
         self.mode = "full" if compile_prefill else auto_mode(model) if mode == "auto" else mode
@@ -156,6 +175,9 @@ class Step:
                  all_logits: bool = False) -> torch.Tensor:
         """tokens (B, T) at input_pos (T,) or (B, T) -> logits (B, V), or (B, T, V) with all_logits."""
         model, T = self.model, tokens.shape[1]
+        if self.deterministic:  # one backend and one shape per op (invariant.py), whatever the rows
+            with BatchInvariant():
+                return forward_logits(model, tokens, input_pos, cache, all_logits)
         try:
             if self.mode == "blocks" and (T == 1 or all_logits and T <= DECODE_QUERIES):
                 return eager(model, tokens, input_pos, cache, all_logits, block=self.block)

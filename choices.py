@@ -33,7 +33,7 @@ class Event:
     text: str  # text that became final since the choice's previous event (may be "")
     token_ids: list[int]  # tokens sampled since the choice's previous event
     finished: bool
-    finish_reason: str | None  # "stop" (a stop string), "eos", "length" (max_tokens or the context), "abort",
+    finish_reason: str | None  # "stop" (a stop string), "eos", "length" (max_new_tokens or the context), "abort",
     # or "error" (serving this request failed; `error` says why, and the engine serves on)
     prompt_tokens: int
     completion_tokens: int  # so far, this choice's
@@ -50,7 +50,7 @@ class Event:
 class Request:
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int = 16  # may be 0 only when prompt_logprobs is not None (echo: the prefill only)
+    max_new_tokens: int = 16  # may be 0 only when prompt_logprobs is not None (echo: the prefill only)
     stop: Sequence[str] = ()
     seed: int | None = None  # choice i draws from a generator seeded seed + i
     on_event: Callable[[Event], None] | None = None
@@ -183,10 +183,10 @@ class Outputs:
 
     def _fork(self, first: Choice) -> list[Choice]:
         """first's prompt is in: the request's best_of choices, first and forks of it that share its blocks, each
-        with its own generator, matcher and penalty state; none for an echo (max_tokens 0: the prefill only)."""
+        with its own generator, matcher and penalty state; none for an echo (max_new_tokens 0: the prefill only)."""
         group = first.group
         first.width, first.reuse = 1, True
-        if group.request.max_tokens == 0:
+        if group.request.max_new_tokens == 0:
             self.end(group, "length")
             return []
         for i in range(1, group.best_of):
@@ -212,7 +212,7 @@ class Outputs:
         choice.tokens.append(token.id)
         choice.logprob += token.logprob or 0.0
         token.end = end_reason(token.id, len(choice.tokens) - choice.n_prompt, len(choice.tokens),
-                               request.max_tokens, self.model.args.max_seq_len, self.tokenizer.eos_ids, choice.matcher,
+                               request.max_new_tokens, self.model.args.max_seq_len, self.tokenizer.eos_ids, choice.matcher,
                                ignore_eos=request.params.ignore_eos)
         piece = push_token(choice.text, token)
         reason = finish_reason(token.end, choice.text)

@@ -46,9 +46,9 @@ class QueueFull(RuntimeError):
 
 def check(request: Request, context: int, cfg: EngineConfig) -> None:
     """Raise a ValueError naming what an engine with config cfg, for a model of this context, cannot serve."""
-    echo = request.max_tokens == 0 and request.prompt_logprobs is not None  # the prefill only
-    check_request(request.prompt, 1 if echo else request.max_tokens, context)
-    needed = -(-min(len(request.prompt) + request.max_tokens, context) // cfg.block_size)
+    echo = request.max_new_tokens == 0 and request.prompt_logprobs is not None  # the prefill only
+    check_request(request.prompt, 1 if echo else request.max_new_tokens, context)
+    needed = -(-min(len(request.prompt) + request.max_new_tokens, context) // cfg.block_size)
     if needed > cfg.num_blocks - 1:
         raise ValueError(f"the request needs up to {needed} KV blocks; the pool has {cfg.num_blocks - 1}")
     if request.n < 1:
@@ -207,7 +207,7 @@ class Engine:
 
     # ---- offline ----
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams(), max_tokens: int = 16,
+    def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams(), max_new_tokens: int = 16,
                  stop: Sequence[str] = (), seed: int | None = None,
                  grammar: Grammar | None = None) -> list[Completion]:
         """Serve a list of prompts to the end (all queued at once; the scheduler batches them); one Completion
@@ -220,7 +220,7 @@ class Engine:
             events.setdefault(event.request_id, []).append(event)
             first.setdefault(event.request_id, time.perf_counter() - t0)
 
-        ids = [self.submit(Request(p, params, max_tokens, stop, seed, collect, grammar)) for p in prompts]
+        ids = [self.submit(Request(p, params, max_new_tokens, stop, seed, collect, grammar)) for p in prompts]
         while not all(i in events and events[i][-1].finished for i in ids):
             self.step()
         out = []

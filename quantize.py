@@ -253,11 +253,11 @@ class Int4Linear(Parts, nn.Module):
                         for k, t in state.items()})
         return out
 
-    def pack_for_kernel(self) -> None:
-        """Convert the plain `weight` bytes to the layout of this device's kernel, if it has one."""
+    def pack_for_kernel(self, kernel: str | None = None) -> None:
+        """Convert the plain `weight` bytes to the layout of kernel (default: this device's, int4_kernel), if any."""
         if self.kernel is not None or self.weight.device.type == "meta":
             return
-        kernel = int4_kernel(self.weight.device, self.in_padded)
+        kernel = kernel or int4_kernel(self.weight.device, self.in_padded)
         if kernel == "words":
             self.weight = gemv.pack_words(unpack_int4(self.weight))  # (N, K/64, 8) int32
             self.kernel_scales = gemv.half_group_scales(self.scales_and_zeros, self.group_size)
@@ -312,6 +312,11 @@ class Int4Linear(Parts, nn.Module):
                 y = y[:, :self.out_features]  # (M, N)
         y = y if self.bias is None else y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
+
+    def repack(self, kernel: str | None) -> None:
+        """The same codes in another kernel's layout (None: the plain one)."""
+        self.weight, self.kernel, self.kernel_scales = pack_int4(self.codes()), None, None
+        self.pack_for_kernel(kernel)
 
     # The state dict holds the plain layout; loading one packs it for this device's kernel.
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -400,6 +405,14 @@ def swap_linears(model: nn.Module, mode: str, quantize_head: bool = False) -> di
             swapped[name] = make_quantized_linear(kind, group, module, dtype)
             model.set_submodule(name, swapped[name])
     return swapped
+
+
+def row_invariant_layouts(model: nn.Module) -> None:
+    """Int4Linear modules in the AVX2 words layout moved to torch's int4 kernel, which computes each row alone (the
+    words layout runs one row as gemv.py's product and more as a float32 matmul: two reduction orders)."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear) and module.kernel == "words":
+            module.repack("cpu")
 
 
 def head_is_quantized(model: nn.Module) -> bool:

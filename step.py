@@ -19,7 +19,7 @@ import torch
 from invariant import BatchInvariant
 from kvcache import KVCache
 from model import DECODE_QUERIES, Block, Transformer
-from quantize import Int8Linear
+from quantize import Int8Linear, row_invariant_layouts
 
 COMPILE_MODES = ("auto", "none", "blocks", "full")
 COMPILE_HELP = ("none: eager; blocks: one compiled graph for every layer's decode step (seconds to compile); "
@@ -136,6 +136,7 @@ class Step:
         self.deterministic = deterministic
         if deterministic:
             check_deterministic(mode, compile_prefill, model)
+            row_invariant_layouts(model)
             mode = "none"
         self.fallback = mode == "auto" and not compile_prefill
         self.failed = False  # the compile failed and the step went on eagerly (mode "none")

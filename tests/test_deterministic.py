@@ -18,7 +18,7 @@ from decode import new_cache
 from engine import Engine, EngineConfig, Request
 from helpers import ToyTokenizer
 from model import decode_attention
-from quantize import make_quantized_linear, parse_mode
+from quantize import make_quantized_linear, parse_mode, row_invariant_layouts
 from sample import SamplingParams
 from step import Step
 from tiny_models import reference_attention
@@ -56,6 +56,7 @@ def test_quantized_kernels_compute_each_row_alone(mode, dtype):
     layer = make_quantized_linear(kind, group, plain, torch.float32)
     layer.load_state_dict(layer.quantize_weight(plain.weight.detach()), strict=False)
     layer.pack_for_kernel()
+    row_invariant_layouts(layer)  # what the deterministic Step does to the AVX2 words layout
     x = torch.randn(1, 128).to(dtype)
     with invariant.BatchInvariant():
         alone = layer(x)
@@ -135,11 +136,11 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(1, 160, (length,), generator=g).tolist() for length in lengths]
 
 
-def served_logprobs(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[tuple]]:
+def served_logprobs(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[tuple]]:
     """Greedy (temperature 0) through the engine, all submitted at once: per prompt, each token's (id, logprob,
     top 5)."""
     tokens: dict[int, list] = {}
-    ids = [engine.submit(Request(p, SamplingParams(temperature=0.0), max_tokens, logprobs=5,
+    ids = [engine.submit(Request(p, SamplingParams(temperature=0.0), max_new_tokens, logprobs=5,
                                  on_event=lambda e: tokens.setdefault(e.request_id, []).extend(e.tokens)))
            for p in prompts]
     while engine.has_work():
@@ -150,7 +151,7 @@ def served_logprobs(engine: Engine, prompts: list[list[int]], max_tokens: int) -
 ROOMY = EngineConfig(block_size=4, num_blocks=400, max_running=16, token_budget=512)
 
 
-def scenarios(model, deterministic: bool, target: list[int], max_tokens: int, warm: list[int]) -> dict:
+def scenarios(model, deterministic: bool, target: list[int], max_new_tokens: int, warm: list[int]) -> dict:
     """The target's logprobs served alone, among 15 random requests, in prefill chunks of 7 tokens, and after a
     request sharing all but its last 5 tokens left them in the prefix cache."""
     def engine(config: EngineConfig = ROOMY) -> Engine:
@@ -158,11 +159,11 @@ def scenarios(model, deterministic: bool, target: list[int], max_tokens: int, wa
 
     cached = engine()
     served_logprobs(cached, [warm], 1)
-    return {"alone": served_logprobs(engine(), [target], max_tokens)[0],
-            "15 concurrent": served_logprobs(engine(), [target, *random_prompts(15, 1)], max_tokens)[0],
+    return {"alone": served_logprobs(engine(), [target], max_new_tokens)[0],
+            "15 concurrent": served_logprobs(engine(), [target, *random_prompts(15, 1)], max_new_tokens)[0],
             "chunked prefill": served_logprobs(engine(EngineConfig(block_size=4, num_blocks=400, max_running=4,
-                                                                   token_budget=7)), [target], max_tokens)[0],
-            "prefix-cache hit": served_logprobs(cached, [target], max_tokens)[0]}
+                                                                   token_budget=7)), [target], max_new_tokens)[0],
+            "prefix-cache hit": served_logprobs(cached, [target], max_new_tokens)[0]}
 
 
 def test_served_logprobs_are_bitwise_equal_only_when_deterministic(tiny):

@@ -50,7 +50,7 @@ def test_concurrent_greedy_equals_single_runs(model, name):
     expected = [greedy_ids(model, p, 20) for p in prompts]
     engine = Engine(model, ToyTokenizer(), CONFIGS[name])
     for _ in range(2):  # the second round hits the prefix cache (where memory allows)
-        got = engine.generate(prompts, max_tokens=20)
+        got = engine.generate(prompts, max_new_tokens=20)
         assert [c.tokens for c in got] == expected
         assert [c.text for c in got] == ["".join(f"<{t}>" for t in e) for e in expected]
         assert all(c.finish_reason == "length" for c in got)
@@ -71,7 +71,7 @@ def test_prefix_hit_verifies_tokens(model):
     original = scheduler.chain_hash
     try:
         scheduler.chain_hash = lambda previous, tokens: previous * 31 + len(tokens)  # collides on every block
-        got = [eng.generate([p], max_tokens=8)[0] for p in prompts]
+        got = [eng.generate([p], max_new_tokens=8)[0] for p in prompts]
     finally:
         scheduler.chain_hash = original
     assert [c.tokens for c in got] == expected
@@ -111,7 +111,7 @@ def test_engine_runs_the_step_it_is_given(model):
 
     prompts = random_prompts([5, 11], seed=4)
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60), step=step)
-    assert [c.tokens for c in eng.generate(prompts, max_tokens=6)] == [greedy_ids(model, p, 6) for p in prompts]
+    assert [c.tokens for c in eng.generate(prompts, max_new_tokens=6)] == [greedy_ids(model, p, 6) for p in prompts]
     assert (1, 5) in shapes and (1, 11) in shapes and (2, 1) in shapes  # two prefills, then decodes together
 
 
@@ -119,10 +119,10 @@ def test_stop_eos_and_max_tokens(model):
     prompt = random_prompts([10], seed=7)[0]
     full = greedy_ids(model, prompt, 12)
     eng = Engine(model, ToyTokenizer(eos_ids=[full[5]]), EngineConfig(block_size=4, num_blocks=60))
-    c = eng.generate([prompt], max_tokens=12)[0]
+    c = eng.generate([prompt], max_new_tokens=12)[0]
     assert c.finish_reason == "eos" and c.tokens == full[:full.index(full[5]) + 1]
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60))
-    c = eng.generate([prompt], max_tokens=12, stop=[f"<{full[3]}>"])[0]
+    c = eng.generate([prompt], max_new_tokens=12, stop=[f"<{full[3]}>"])[0]
     assert c.finish_reason == "stop" and c.text == "".join(f"<{t}>" for t in full[:full.index(full[3])])
 
 
@@ -160,7 +160,7 @@ def test_block_accounting_with_aborts(model):
         prompt = [rng.randrange(1, 160) for _ in range(rng.randrange(1, 60))]
         if n % 3 == 0 and ids:  # some shared prefixes
             prompt = [rng.randrange(1, 160) for _ in range(8)] * 2 + prompt[:20]
-        ids.append(eng.submit(Request(prompt, max_tokens=rng.randrange(1, 12),
+        ids.append(eng.submit(Request(prompt, max_new_tokens=rng.randrange(1, 12),
                                       on_event=lambda e: e.finished and finished.setdefault(e.request_id, e))))
         if rng.random() < 0.25:
             eng.abort(rng.choice(ids))
@@ -185,8 +185,8 @@ def test_a_failing_callback_aborts_only_its_request(model, capsys):
     def broken(event):
         raise RuntimeError("client bug")
 
-    eng.submit(Request(prompts[0], max_tokens=8, on_event=broken))
-    eng.submit(Request(prompts[1], max_tokens=8, on_event=events.append))
+    eng.submit(Request(prompts[0], max_new_tokens=8, on_event=broken))
+    eng.submit(Request(prompts[1], max_new_tokens=8, on_event=events.append))
     while eng.step():
         pass
     assert "client bug" in capsys.readouterr().err
@@ -230,10 +230,10 @@ def test_a_failure_fails_only_its_request_and_the_engine_serves_on(model, monkey
         return real_forward(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", forward)
-    done = eng.generate(prompts[:2], max_tokens=8)
+    done = eng.generate(prompts[:2], max_new_tokens=8)
     assert [c.finish_reason for c in done] == ["error", "error"]
     monkeypatch.setattr(model, "forward", real_forward)
-    assert eng.generate([prompts[0]], max_tokens=8)[0].tokens == greedy_ids(model, prompts[0], 8)
+    assert eng.generate([prompts[0]], max_new_tokens=8)[0].tokens == greedy_ids(model, prompts[0], 8)
     assert eng.stats()["blocks_used"] == 0
 
 
@@ -242,7 +242,7 @@ def test_bad_requests(model):
     with pytest.raises(ValueError, match="the prompt is empty"):
         eng.submit(Request([]))
     with pytest.raises(ValueError, match="needs up to 13 KV blocks; the pool has 9"):
-        eng.submit(Request([1] * 40, max_tokens=10))
+        eng.submit(Request([1] * 40, max_new_tokens=10))
     with pytest.raises(ValueError, match="stop strings must be non-empty"):
         eng.submit(Request([1, 2], stop=[""]))
     eng.submit(Request([1, 2]))
@@ -262,7 +262,7 @@ def test_smollm2_concurrent_greedy_equals_single_runs(smollm2):
     prompts = [tok.encode(text[i * 300:i * 300 + n]) for i, n in enumerate([40, 400, 120, 900, 60, 250, 700, 30])]
     expected = [greedy_ids(model, p, 24, stop_ids=tok.eos_ids) for p in prompts]
     eng = Engine(model, tok, EngineConfig(block_size=16, num_blocks=256, token_budget=128))
-    got = eng.generate(prompts, max_tokens=24)
+    got = eng.generate(prompts, max_new_tokens=24)
     assert [c.tokens for c in got] == expected
 
 
@@ -390,7 +390,7 @@ def test_abort_ends_every_choice(model):
     finals = [e for e in events if e.finished]
     assert sorted(e.index for e in finals) == [0, 1, 2] and {e.finish_reason for e in finals} == {"abort"}
     events.clear()
-    rid = eng.submit(Request([1, 2, 3], max_tokens=5, n=2, on_event=events.append))
+    rid = eng.submit(Request([1, 2, 3], max_new_tokens=5, n=2, on_event=events.append))
     eng.abort(rid)  # before its prompt is in: both choices end
     while eng.step():
         pass
@@ -422,8 +422,8 @@ def test_prompt_logprobs_equal_an_uncached_forward(model, name):
     prompt = random_prompts([50], seed=26)[0]
     lp = uncached_prompt_logprobs(model, prompt)
     eng = Engine(model, ToyTokenizer(), CONFIGS[name])
-    run(eng, Request(prompt, max_tokens=2))  # fills the prefix cache
-    first = run(eng, Request(prompt, max_tokens=0, prompt_logprobs=3))[1]
+    run(eng, Request(prompt, max_new_tokens=2))  # fills the prefix cache
+    first = run(eng, Request(prompt, max_new_tokens=0, prompt_logprobs=3))[1]
     assert len(first) == 1 and first[0].finished and first[0].finish_reason == "length"
     assert first[0].token_ids == [] and first[0].completion_tokens == 0 and first[0].cached_tokens == 0
     got = first[0].prompt_logprobs
@@ -433,7 +433,7 @@ def test_prompt_logprobs_equal_an_uncached_forward(model, name):
         assert got[i].logprob == pytest.approx(lp[i - 1, prompt[i]].item(), abs=1e-5)
         assert [t for t, _ in got[i].top] == lp[i - 1].topk(3).indices.tolist()
         assert [v for _, v in got[i].top] == pytest.approx(lp[i - 1].topk(3).values.tolist(), abs=1e-5)
-    again = by_choice(run(eng, Request(prompt, max_tokens=4, prompt_logprobs=3, n=2))[2])
+    again = by_choice(run(eng, Request(prompt, max_new_tokens=4, prompt_logprobs=3, n=2))[2])
     for i in (0, 1):
         evs = again[i][2]
         assert evs[0].prompt_logprobs == got and all(e.prompt_logprobs is None for e in evs[1:])
@@ -446,7 +446,7 @@ def test_bad_parallel_requests(model):
     for request, message in [(Request([1, 2], n=0), "n must be >= 1"),
                              (Request([1, 2], n=3, best_of=2), "best_of must be >= n"),
                              (Request([1, 2], n=5), "at most the engine's max_running"),
-                             (Request([1, 2], max_tokens=0), "max_new_tokens must be >= 1"),
+                             (Request([1, 2], max_new_tokens=0), "max_new_tokens must be >= 1"),
                              (Request([1, 2], logprobs=-1), "logprobs must be >= 0")]:
         with pytest.raises(ValueError, match=message):
             eng.submit(request)

@@ -260,11 +260,11 @@ def test_batch_rows_and_engine_sequences_have_their_own_matchers(tiny, toy, comp
     rows = generate_batch(tiny, prompts, max_new_tokens=40, stop_ids=toy.eos_ids, grammar=grammar)
     batch = complete_batch(rows, toy, [len(p) for p in prompts])
     engine = Engine(tiny, toy, EngineConfig(num_blocks=64, max_running=4, token_budget=64))
-    served = engine.generate(prompts, max_tokens=40, grammar=grammar)
+    served = engine.generate(prompts, max_new_tokens=40, grammar=grammar)
     for a, b, s in zip(alone, batch, served):
         assert b.tokens == a and s.tokens == a
         jsonschema.validate(json.loads(b.text), PEOPLE)
-    sampled = engine.generate(prompts, SamplingParams(temperature=1.0), max_tokens=40, seed=1, grammar=grammar)
+    sampled = engine.generate(prompts, SamplingParams(temperature=1.0), max_new_tokens=40, seed=1, grammar=grammar)
     for s in sampled:
         jsonschema.validate(json.loads(s.text), PEOPLE)
 
@@ -292,8 +292,8 @@ def test_unconstrained_generation_is_unchanged(tiny, toy, compiler):
     prompt = toy.encode("hello", bos=False)
     plain = [t.id for t in generate(tiny, prompt, max_new_tokens=12, stop_ids=toy.eos_ids)]
     engine = Engine(tiny, toy, EngineConfig(num_blocks=64, max_running=4, token_budget=64))
-    engine.submit(Request(prompt, max_tokens=12, grammar=compiler.compile(Constraint("json_object"))))
-    (c,) = engine.generate([prompt], max_tokens=12)
+    engine.submit(Request(prompt, max_new_tokens=12, grammar=compiler.compile(Constraint("json_object"))))
+    (c,) = engine.generate([prompt], max_new_tokens=12)
     assert c.tokens == plain
 
 

@@ -265,7 +265,7 @@ def test_int8_cache_and_paged_engine_match_greedy(ours):
     prompts = [torch.randint(1, 160, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 33)]
     expected = [greedy_ids(ours, p, 12) for p in prompts]
     engine = Engine(ours, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=200, max_running=8, token_budget=24))
-    assert [c.tokens for c in engine.generate(prompts, max_tokens=12)] == expected
+    assert [c.tokens for c in engine.generate(prompts, max_new_tokens=12)] == expected
 
 
 def test_speculative_greedy_matches_plain_greedy(ours):

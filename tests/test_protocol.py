@@ -34,7 +34,7 @@ def test_a_prompt_list_is_one_request_per_prompt(smollm2_tokenizer):
     call = parse({"prompt": ["a b", [1, 2, 3], "c"], "max_tokens": 4, "n": 2, "seed": 7}, tok)
     assert [r.prompt for r in call.requests] == [tok.encode("a b"), [1, 2, 3], tok.encode("c")]
     assert call.texts == ["a b", tok.decode([1, 2, 3]), "c"]
-    assert all(r.n == 2 and r.best_of == 2 and r.seed == 7 and r.max_tokens == 4 for r in call.requests)
+    assert all(r.n == 2 and r.best_of == 2 and r.seed == 7 and r.max_new_tokens == 4 for r in call.requests)
     one = parse({"prompt": "a b", "max_tokens": 4}, tok)
     assert len(one.requests) == 1 and one.requests[0].prompt == call.requests[0].prompt
 
@@ -62,7 +62,7 @@ def test_logprobs_fields(smollm2_tokenizer):
     r = parse({"prompt": "a", "logprobs": 5}, tok).requests[0]
     assert (r.logprobs, r.prompt_logprobs) == (5, None)
     r = parse({"prompt": "a", "logprobs": 1, "echo": True, "max_tokens": 0}, tok).requests[0]
-    assert (r.logprobs, r.prompt_logprobs, r.max_tokens) == (1, 1, 0)
+    assert (r.logprobs, r.prompt_logprobs, r.max_new_tokens) == (1, 1, 0)
     assert refused({"prompt": "a", "max_tokens": 0}, tok).param == "max_tokens"  # 0 only with echo
 
 

@@ -509,7 +509,7 @@ def test_the_servers_engine_runs_the_compiled_step(tiny):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     prompts = [[5, 17, 42], [7, 8, 9, 10, 11]]
-    assert [c.tokens for c in engine.generate(prompts, max_tokens=6)] == [greedy_ids(tiny, p, 6) for p in prompts]
+    assert [c.tokens for c in engine.generate(prompts, max_new_tokens=6)] == [greedy_ids(tiny, p, 6) for p in prompts]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # a compiled graph ran the decode steps
 
 

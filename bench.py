@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -249,6 +250,35 @@ def print_table(rows: list[dict], header: str, bandwidth: float, peak_tflops: fl
                   f"{100 * r['mask_per_row_ms'] / r['tpot_ms']:.1f}%")
 
 
+def llama_bench(binary: str, path: str, threads: int, prompt_lens: list[int], new_tokens: int, runs: int) -> dict:
+    """llama.cpp's tokens/s on the same GGUF file and thread count, from its llama-bench: {"pp512": ..., "tg128": ...}
+    (tg from an empty context; ours decodes after the prompt)."""
+    cmd = [binary, "-m", path, "-t", str(threads), "-p", ",".join(map(str, prompt_lens)), "-n", str(new_tokens),
+           "-r", str(runs), "-o", "json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise ValueError(f"--llama-bench {binary!r} failed: {e}") from None
+    return {(f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"): r["avg_ts"] for r in json.loads(out)}
+
+
+def print_peer(rows: list[dict], peer: dict, threads: int) -> None:
+    """Ours beside llama.cpp's, same file and threads: prefill per prompt length, decode, and the ratio."""
+    print(f"against llama.cpp (llama-bench, same file, {threads} threads): test | ours tok/s | llama.cpp tok/s | ratio")
+    for r in rows:
+        if r["batch_size"] == 1:
+            for test, ours in ((f"pp{r['prompt_len']}", r["prefill_tok_s"]), (f"tg{r['new_tokens']}",
+                                                                              r["decode_tok_s"])):
+                print(f"{test} | {ours:.1f} | {peer[test]:.1f} | {ours / peer[test]:.2f}")
+
+
+def cpu_class() -> str:
+    """'AVX512' / 'AVX2' (the kernels torch dispatches) and the CPU's model name, for headers."""
+    name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                "") if os.path.exists("/proc/cpuinfo") else ""
+    return f"{torch.backends.cpu.get_cpu_capability()} kernels{', ' + name if name else ''}"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Decode/prefill benchmark against the memory-bandwidth roofline, "
                                 "and capacity planning (--plan).")
@@ -257,7 +287,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--compile", nargs="?", const="full", default="auto", choices=COMPILE_MODES,
-                   help="how the decode step runs, as generate.py --compile (default auto: blocks on CPU)")
+                   help="how the decode step runs, as generate.py --compile (default auto: for --new-tokens as generate.py)")
     p.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     p.add_argument("--quantize", default=None, metavar="MODE", help="int8, int4, int4:GROUP or none (as generate.py)")
     p.add_argument("--quantize-head", action="store_true", help="with --quantize: the LM head too")
@@ -276,6 +306,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-bytes", type=float, default=2, help="bytes per KV value for --plan (2 = fp16)")
     p.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
                    help="also measure what masking logits with this JSON Schema adds to each decode step")
+    p.add_argument("--llama-bench", default=None, metavar="BINARY",
+                   help="also run llama.cpp's llama-bench on the same GGUF file and threads, and print the ratios")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -287,6 +319,9 @@ def run(args: argparse.Namespace) -> None:
             raise ValueError(f"{name} must be >= 1, got {min(values)}")
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (one prefill token + decode steps), got {args.new_tokens}")
+    if args.llama_bench and (args.shape or args.plan):
+        raise ValueError("--llama-bench runs llama.cpp on the same GGUF file: pass --model (or its default), not "
+                         "--shape or --plan")
     device = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -314,7 +349,7 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"prompt + new tokens = {max_len} exceeds the model's context of {model.args.max_seq_len}")
     bandwidth = measure_bandwidth(device)
     peak_tflops = measure_matmul_tflops(device, dtype)
-    step = Step(model, args.compile, deterministic=args.deterministic)
+    step = Step(model, args.compile, deterministic=args.deterministic, decode_steps=args.new_tokens)  # as users get
     rows = [bench(model, device, b, p, args.new_tokens, args.runs, step, bandwidth, peak_tflops)
             for b in args.batch_size for p in args.prompt_len]
     if args.json_schema is not None:
@@ -328,7 +363,7 @@ def run(args: argparse.Namespace) -> None:
         for r in rows:
             cost = mask_cost(grammar, model.args.vocab_size, r["batch_size"], args.new_tokens * args.runs, device)
             r["mask_ms"], r["mask_per_row_ms"] = cost["batched"] * 1e3, cost["per_row"] * 1e3
-    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    threads = f", {torch.get_num_threads()} threads ({cpu_class()})" if device.type == "cpu" else ""
     header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
               f"weights {describe(model)} | "
               f"{'eager' if step.mode == 'none' else 'compiled: ' + step.mode}"
@@ -337,6 +372,9 @@ def run(args: argparse.Namespace) -> None:
     if step.mode != "none":
         header += f" | compile + first run {rows[0]['compile_s']:.1f} s"
     print_table(rows, header, bandwidth, peak_tflops)
+    if args.llama_bench:
+        print_peer(rows, llama_bench(args.llama_bench, path, torch.get_num_threads(), args.prompt_len,
+                                     args.new_tokens, args.runs), torch.get_num_threads())
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": name, "device": device.type, "dtype": str(dtype), "compile": step.mode,

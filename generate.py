@@ -46,7 +46,7 @@ from quantize import describe, parse_mode, quantization_of, weight_bytes
 from sample import SamplingParams
 import speculative
 from speculative import ModelDraft, PromptLookupDraft, SpecStats
-from step import COMPILE_HELP, COMPILE_MODES, DETERMINISTIC_HELP, Step, check_deterministic
+from step import COMPILE_HELP, COMPILE_MODES, COMPILE_PAYS_AFTER, DETERMINISTIC_HELP, Step, check_deterministic
 from text import Completion, check_stop, complete, complete_batch, completion_json
 from tokenizer import load_tokenizer
 from tools import CHOICES, ToolRequest, finish_reason, message as tool_message, tool_request
@@ -344,7 +344,9 @@ def run(args: argparse.Namespace) -> None:
     generator.manual_seed(seed if shard is None else tp.same_seed(seed, device))
     if shard is not None:
         tp.install(model)
-    step = Step(model, args.compile, args.compile_prefill, args.deterministic)
+    # auto compiles where it pays: in a chat, or for an answer long enough (step.COMPILE_PAYS_AFTER)
+    decode_steps = None if args.interactive else new_tokens(args.max_new_tokens, max(map(len, prompts)), context, what)
+    step = Step(model, args.compile, args.compile_prefill, args.deterministic, decode_steps)
     # The summary line after the speed: where and in what dtype it ran, what ran (read at the end: setup_line), then
     # the sharding, the weights and the constraint.
     where = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
@@ -430,7 +432,9 @@ def step_label(step: Step, args: argparse.Namespace) -> str:
     """What ran, for the summary line, read from the step after the run: 'compiled: blocks (auto)', 'eager', or
     'eager (compile failed)' when auto's compile fell back."""
     if step.mode == "none":
-        return "eager (compile failed)" if step.failed else "eager, deterministic" if step.deterministic else "eager"
+        auto = f" (auto: a compile pays after {COMPILE_PAYS_AFTER} new tokens)" if args.compile == "auto" else ""
+        return "eager (compile failed)" if step.failed else "eager, deterministic" if step.deterministic else \
+            "eager" + auto
     return f"compiled: {step.mode}" + (" (+prefill)" if args.compile_prefill else
                                         " (auto)" if args.compile == "auto" else "")
 

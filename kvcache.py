@@ -22,9 +22,11 @@ class LayerKVCache:
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # The buffers never move, so a compiled step (CUDA graphs) can treat them as static.
-        torch._dynamo.mark_static_address(self.k)
-        torch._dynamo.mark_static_address(self.v)
+        # The buffers never move, so a compiled step (CUDA graphs) can treat them as static. Only CUDA graphs need
+        # it, and it imports torch._dynamo (2 s) where an eager CPU run would not.
+        if self.k.is_cuda:
+            torch._dynamo.mark_static_address(self.k)
+            torch._dynamo.mark_static_address(self.v)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, K, T, D) at positions input_pos, (T,) or per row (B, T);
@@ -52,7 +54,7 @@ class Int8LayerKVCache:
         self.v = torch.zeros(shape, dtype=torch.int8, device=device)
         self.k_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32, device=device)
         self.v_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32, device=device)
-        for t in (self.k, self.v, self.k_scale, self.v_scale):
+        for t in (self.k, self.v, self.k_scale, self.v_scale) if self.k.is_cuda else ():  # as LayerKVCache's
             torch._dynamo.mark_static_address(t)
 
     @staticmethod

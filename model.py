@@ -333,7 +333,9 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        # nn.Embedding's own init on the meta device (where loaders build the model) would import torch._dynamo: 1.6 s
+        weight = torch.empty(args.vocab_size, args.dim)  # (V, C)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, _weight=weight if weight.is_meta else weight.normal_())
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
         self.lm_head = Linear(args.dim, args.vocab_size)
@@ -344,11 +346,13 @@ class Transformer(nn.Module):
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)build the cos/sin tables, e.g. after the model was built on the meta device."""
         device = device or self.embed_tokens.weight.device
-        positions = torch.arange(self.args.max_seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(self.args).to(device))  # (max_seq_len, R/2)
-        scale = rope_attention_factor(self.args)
-        self.register_buffer("rope_cos", freqs.cos() * scale, persistent=False)
-        self.register_buffer("rope_sin", freqs.sin() * scale, persistent=False)
+        with torch.device("cpu"):  # computed on the meta device (a loader's), arange would import torch._dynamo: 2 s
+            positions = torch.arange(self.args.max_seq_len, dtype=torch.float32)
+            freqs = torch.outer(positions, rope_inv_freq(self.args))  # (max_seq_len, R/2)
+            scale = rope_attention_factor(self.args)
+            cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache | None = None,
                 all_logits: bool = False) -> torch.Tensor:

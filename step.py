@@ -22,9 +22,13 @@ from model import DECODE_QUERIES, Block, Transformer
 from quantize import Int8Linear, row_invariant_layouts
 
 COMPILE_MODES = ("auto", "none", "blocks", "full")
+# The decode steps after which compiling the blocks saves more than it costs on CPU: 2-6 s to compile with a warm
+# Inductor cache (more with a cold one) against 3-8 ms saved a step (README, Benchmarks).
+COMPILE_PAYS_AFTER = 1000
 COMPILE_HELP = ("none: eager; blocks: one compiled graph for every layer's decode step (seconds to compile); "
         "full: the whole decode step as one graph (about a minute to compile on CPU, fastest); auto "
-        "(default): blocks on CPU for a dense model in one process, else none")
+        f"(default): blocks on CPU for a dense model in one process when it pays (a chat, a server, or at least "
+        f"{COMPILE_PAYS_AFTER} new tokens), else none")
 DETERMINISTIC_HELP = ("batch-invariant forwards: a request's logits are bitwise the same whatever else is batched "
         "with it, however its prefill is chunked and whether its prefix was cached (eager; slower: README, Exactness)")
 
@@ -81,11 +85,13 @@ def skip_module_guards(guards) -> list[bool]:
     return [not g.orig_guard.source.is_unspecialized_nn_module() for g in guards]
 
 
-def auto_mode(model: Transformer) -> str:
+def auto_mode(model: Transformer, decode_steps: int | None = None) -> str:
     """What "auto" runs: "blocks" on CPU, where the eager step is dominated by per-op dispatch, for a dense model in
-    one process; "none" on CUDA, for Mixtral (no compile) and under tensor parallelism (tp.py)."""
+    one process, when it pays: for decode_steps at least COMPILE_PAYS_AFTER, or unbounded (None: a chat, a server);
+    "none" for fewer, on CUDA, for Mixtral (no compile) and under tensor parallelism (tp.py)."""
     dense = model.args.n_experts is None and all(block.all_reduce is None for block in model.layers)
-    return "blocks" if model.embed_tokens.weight.device.type == "cpu" and dense else "none"
+    pays = decode_steps is None or decode_steps >= COMPILE_PAYS_AFTER
+    return "blocks" if model.embed_tokens.weight.device.type == "cpu" and dense and pays else "none"
 
 
 def vector_width(model: Transformer) -> dict:
@@ -126,10 +132,11 @@ class Step:
     count) computes each row as the decode step's graph does, so greedy speculative == plain greedy (README,
     Exactness). "full": the whole one-token step as one graph (CUDA graphs on GPU), and with compile_prefill the
     multi-token forwards too, their length symbolic. "auto": auto_mode's choice, where a failed compile (no C++
-    compiler, say) prints one warning and goes on eagerly; an explicit mode turns it into a one-line ValueError."""
+    compiler, say) prints one warning and goes on eagerly; an explicit mode turns it into a one-line ValueError.
+    decode_steps: the decode steps the caller will run (None: unbounded), for auto's choice."""
 
     def __init__(self, model: Transformer, mode: str = "none", compile_prefill: bool = False,
-                 deterministic: bool = False):
+                 deterministic: bool = False, decode_steps: int | None = None):
         if mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile mode {mode!r}; choose from {', '.join(COMPILE_MODES)}")
         self.model = model
@@ -140,7 +147,7 @@ class Step:
             mode = "none"
         self.fallback = mode == "auto" and not compile_prefill
         self.failed = False  # the compile failed and the step went on eagerly (mode "none")
-        self.mode = "full" if compile_prefill else auto_mode(model) if mode == "auto" else mode
+        self.mode = "full" if compile_prefill else auto_mode(model, decode_steps) if mode == "auto" else mode
         if self.mode != "none" and model.args.n_experts is not None:
             # Which experts run depends on the router's output, and each expert is its own module (so quantization
             # and tensor parallelism treat it as a dense MLP): a graph cannot pick a module by a computed index.
@@ -148,7 +155,7 @@ class Step:
         cpu = model.embed_tokens.weight.device.type == "cpu"
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
         # first compile (README, Benchmarks).
-        options = {"cpp_wrapper": True, **vector_width(model)} if cpu else {}
+        options = {"cpp_wrapper": True, **vector_width(model)} if cpu and self.mode != "none" else {}  # Inductor: 3 s
         if self.mode == "blocks":
             # Dynamo keeps its graphs on the code object, guarded on the module types (those guards stay): every
             # layer of this model shares one graph. A code object of its own per Step keeps another model's graphs,

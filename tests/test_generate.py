@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import generate
+import step
 from helpers import ROOT, ToyTokenizer, child_env, run_py
 from sample import SamplingParams, Token
 from text import Completion
@@ -416,7 +417,7 @@ def test_speculative_json_matches_plain_greedy(capsys, smollm2, smollm2_gguf):
 @pytest.mark.parametrize("capability", [None, "avx2"])
 def test_readme_command_with_the_default_model(capability, monkeypatch):
     """The README's first command, on this CPU's class and with AVX2 forced: the summary says what the auto rules
-    pick for that class (the dtype) and for both (the file's int4 codes and Q8_0 head, the compiled blocks)."""
+    pick for that class (the dtype) and for both (the file's int4 codes and Q8_0 head, eager for a short answer)."""
     from cli import pick_dtype
 
     if capability is None:
@@ -432,7 +433,7 @@ def test_readme_command_with_the_default_model(capability, monkeypatch):
     assert "Paris" in result.stdout
     summary = result.stderr.strip().splitlines()[-1]
     for field in ("prompt tokens 5", "generated tokens 16", "TTFT", "decode", "tokens/s",
-                  "first decode step (compile)", "compiled: blocks (auto)",
+                  "eager (auto: a compile pays after 1000 new tokens)",
                   f"cpu {str(dtype).removeprefix('torch.')} ({why})"):
         assert field in summary
     assert re.search(r"weights [0-9.]+ MB int4:32 \(\+head int8:32\)$", summary), summary  # in float32 too
@@ -449,6 +450,7 @@ def test_a_failed_compile_is_reported_as_eager(capsys, monkeypatch, tiny_text_di
         return fail
 
     monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(step, "COMPILE_PAYS_AFTER", 1)  # auto compiles for 4 new tokens
     assert generate.main(["--model", tiny_text_dir, "--prompt", "hi", "--max-new-tokens", "4", "--temperature", "0",
                           "--dtype", "float32"]) == 0
     err = capsys.readouterr().err.strip().splitlines()

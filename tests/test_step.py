@@ -9,7 +9,7 @@ import torch
 
 from helpers import run_py
 from kvcache import KVCache
-from step import Step, auto_mode, eager, gemv_backend
+from step import COMPILE_PAYS_AFTER, Step, auto_mode, eager, gemv_backend
 
 
 def test_step_modes(tiny):
@@ -25,6 +25,9 @@ def test_auto_compiles_blocks_for_a_dense_model_in_one_cpu_process(tiny):
     from tiny_models import hf_to_ours, make_hf
 
     assert auto_mode(tiny) == "blocks"
+    # a one-shot answer is compiled only when it is long enough to pay for the compile
+    assert auto_mode(tiny, COMPILE_PAYS_AFTER) == "blocks" and auto_mode(tiny, COMPILE_PAYS_AFTER - 1) == "none"
+    assert Step(tiny, "auto", decode_steps=16).mode == "none" and Step(tiny, "blocks", decode_steps=16).mode == "blocks"
     sharded = copy.deepcopy(tiny)
     for block in sharded.layers:
         block.all_reduce = lambda t: t  # what tp.install sets: a collective inside every block

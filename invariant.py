@@ -8,8 +8,7 @@ cache slots its batch pads to. Here every op whose reduction order could depend 
 swapped, while the mode is on, for one that calls the library with one fixed shape only:
 - float linear layers (F.linear): the rows in tiles of ROWS, the last padded with zeros, one call per tile (a
   row's result does not depend on the other rows of a tile of fixed shape, nor on its place in it);
-  the CPU int8 and int4 kernels (quantize.py) compute each row alone already, and are left as they are (the
-  deterministic Step moves the AVX2 words layout to the int4 kernel: quantize.row_invariant_layouts; both
+  the CPU int8 and int4 kernels (quantize.py) compute each row alone already, and are left as they are (both
   properties are checked in tests/test_deterministic.py);
 - batched matmuls (attention's): tiles of TILE_ROWS x BLOCK times BLOCK x BLOCK in one torch.bmm, the tiles' partial
   products over the reduced dim summed in order, so a key past a query's own (its probability masked to 0) adds

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gemv
-from model import Parts
+from model import DECODE_QUERIES, Parts
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels (tinygemm on CUDA, int4pack on CPU) accept
 DEFAULT_GROUP = 32  # on SmolLM2 (a Q4_1 GGUF, groups of 32) larger groups cost far more quality: see README
@@ -109,12 +109,9 @@ INT4_MM = {"cpu": getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None),
            "cuda": getattr(torch.ops.aten, "_weight_int4pack_mm", None)}
 
 
-def int4_kernel(device: torch.device, in_features: int = 0) -> str | None:
-    """'cpu' (int4pack_mm_for_cpu), 'words' (gemv.py, where torch dispatches AVX2: in_features a multiple of 64),
-    'cuda' (tinygemm, sm80+) or None (dequantize-then-matmul). Read from the kernels torch dispatches, not CPUID, so
-    ATEN_CPU_CAPABILITY=avx2 runs an AVX-512 machine as an AVX2 one."""
-    if device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX2" and in_features % gemv.SUPER == 0:
-        return "words"
+def int4_kernel(device: torch.device) -> str | None:
+    """'cpu' (int4pack_mm_for_cpu), 'cuda' (tinygemm, sm80+) or None (dequantize-then-matmul). A compiled CPU step
+    may move modules to 'words' (gemv.py): compiled_layouts."""
     if device.type == "cpu" and INT4_MM["cpu"] is not None:
         return "cpu"
     if device.type == "cuda" and INT4_MM["cuda"] is not None and torch.cuda.get_device_capability(device)[0] >= 8:
@@ -257,7 +254,7 @@ class Int4Linear(Parts, nn.Module):
         """Convert the plain `weight` bytes to the layout of kernel (default: this device's, int4_kernel), if any."""
         if self.kernel is not None or self.weight.device.type == "meta":
             return
-        kernel = kernel or int4_kernel(self.weight.device, self.in_padded)
+        kernel = kernel or int4_kernel(self.weight.device)
         if kernel == "words":
             self.weight = gemv.pack_words(unpack_int4(self.weight))  # (N, K/64, 8) int32
             self.kernel_scales = gemv.half_group_scales(self.scales_and_zeros, self.group_size)
@@ -300,12 +297,13 @@ class Int4Linear(Parts, nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if self.kernel is None:
             y = F.linear(x2, self.dequantize().to(x.dtype))  # (M, N)
-        elif self.kernel == "words" and x2.shape[0] > 1:  # prefill: float32 matmul, compute-bound
+        elif self.kernel == "words" and x2.shape[0] > DECODE_QUERIES:  # prefill: float32 matmul, compute-bound
             w = gemv.run(gemv.dequantize, self.weight, self.kernel_scales)[:self.out_features]  # (N, K padded)
             y = F.linear(pad_columns(x2, self.in_padded), w.to(x.dtype))
-        elif self.kernel == "words":  # one row: the decode step
-            y = gemv.run(gemv.gemv, pad_columns(x2, self.in_padded)[0], self.weight, self.kernel_scales)
-            y = y[None, :self.out_features].to(x.dtype)
+        elif self.kernel == "words":  # decode steps, verifies: row by row, so each row's bits are a one-row step's
+            rows = pad_columns(x2, self.in_padded)  # (M, K padded)
+            y = torch.stack([gemv.run(gemv.gemv, row, self.weight, self.kernel_scales) for row in rows])
+            y = y[:, :self.out_features].to(x.dtype)
         else:
             y = self._kernel_mm(pad_columns(x2, self.in_padded), self.scales_and_zeros)  # (M, N padded)
             if self.out_padded != self.out_features:
@@ -316,7 +314,8 @@ class Int4Linear(Parts, nn.Module):
     def repack(self, kernel: str | None) -> None:
         """The same codes in another kernel's layout (None: the plain one)."""
         self.weight, self.kernel, self.kernel_scales = pack_int4(self.codes()), None, None
-        self.pack_for_kernel(kernel)
+        if kernel is not None:
+            self.pack_for_kernel(kernel)
 
     # The state dict holds the plain layout; loading one packs it for this device's kernel.
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -407,12 +406,16 @@ def swap_linears(model: nn.Module, mode: str, quantize_head: bool = False) -> di
     return swapped
 
 
-def row_invariant_layouts(model: nn.Module) -> None:
-    """Int4Linear modules in the AVX2 words layout moved to torch's int4 kernel, which computes each row alone (the
-    words layout runs one row as gemv.py's product and more as a float32 matmul: two reduction orders)."""
+def compiled_layouts(model: nn.Module) -> None:
+    """What a compiled CPU step runs int4 codes in: the words layout (gemv.py) where torch dispatches its AVX2 kernels
+    (read from torch, not CPUID, so ATEN_CPU_CAPABILITY=avx2 runs an AVX-512 machine as an AVX2 one), for every
+    Int4Linear whose padded inputs are a multiple of 64; torch's int4 kernel elsewhere. An eager step keeps torch's
+    kernel: the words layout runs as Inductor kernels, compiled per shape, which a short eager answer does not repay."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return
     for module in model.modules():
-        if isinstance(module, Int4Linear) and module.kernel == "words":
-            module.repack("cpu")
+        if isinstance(module, Int4Linear) and module.kernel == "cpu" and module.in_padded % gemv.SUPER == 0:
+            module.repack("words")
 
 
 def head_is_quantized(model: nn.Module) -> bool:

@@ -18,7 +18,7 @@ from decode import new_cache
 from engine import Engine, EngineConfig, Request
 from helpers import ToyTokenizer
 from model import decode_attention
-from quantize import make_quantized_linear, parse_mode, row_invariant_layouts
+from quantize import make_quantized_linear, parse_mode
 from sample import SamplingParams
 from step import Step
 from tiny_models import reference_attention
@@ -56,7 +56,6 @@ def test_quantized_kernels_compute_each_row_alone(mode, dtype):
     layer = make_quantized_linear(kind, group, plain, torch.float32)
     layer.load_state_dict(layer.quantize_weight(plain.weight.detach()), strict=False)
     layer.pack_for_kernel()
-    row_invariant_layouts(layer)  # what the deterministic Step does to the AVX2 words layout
     x = torch.randn(1, 128).to(dtype)
     with invariant.BatchInvariant():
         alone = layer(x)

@@ -1,6 +1,6 @@
 """The AVX2 "words" layout of Int4Linear (gemv.py): exact packing, the one-row product and the dequantized weight
-against the plain reference, and a whole model decoding in it as in the plain layout. It runs on any CPU (the
-layout is chosen where torch dispatches AVX2; here it is forced), so CI on AVX-512 checks it too."""
+against the plain reference, and a whole model decoding in it as in the plain layout. It runs on any CPU (a compiled
+step chooses it where torch dispatches AVX2; here it is forced), so CI on AVX-512 checks it too."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,10 +9,6 @@ import gemv
 import quantize as q
 from test_quantize import quantized_linear
 from tiny_models import hf_to_ours, make_hf
-
-
-def words_layout(monkeypatch):
-    monkeypatch.setattr(q, "int4_kernel", lambda device, in_features=0: "words" if in_features % 64 == 0 else None)
 
 
 def test_pack_unpack_words_round_trip():
@@ -55,12 +51,13 @@ def test_compiled_gemv_equals_eager():
 
 
 @pytest.mark.parametrize("n, k", [(64, 64), (40, 128), (17, 576)])
-@pytest.mark.parametrize("rows", [1, 5])
-def test_int4_linear_in_words_layout_matches_reference(n, k, rows, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 5, 20])  # 20: more than a verify, the dequantized matmul
+def test_int4_linear_in_words_layout_matches_reference(n, k, rows):
     """Int4Linear in the words layout: the same codes read back, a state dict in the plain layout, and outputs
-    equal to F.linear with dequantize() for one row (gemv) and several (the dequantized matmul)."""
-    words_layout(monkeypatch)
+    equal to F.linear with dequantize() for a row and a verify's rows (gemv, row by row) and a prefill's (the
+    dequantized matmul)."""
     linear, module = quantized_linear("int4:32", n, k)
+    module.repack("words")
     assert module.kernel == "words"
     plain = module.quantize_weight(linear.weight)["weight"]
     assert torch.equal(module.state_dict()["weight"], plain)
@@ -68,17 +65,29 @@ def test_int4_linear_in_words_layout_matches_reference(n, k, rows, monkeypatch):
     torch.testing.assert_close(module(x), F.linear(x, module.dequantize()), rtol=1e-5, atol=1e-5)
 
 
-def test_model_decodes_in_words_layout_as_in_plain_layout(monkeypatch):
+def test_compiled_layouts_picks_words_where_torch_dispatches_avx2(monkeypatch):
+    """What a compiled CPU step runs: the words layout on AVX2 (where the inputs are a multiple of 64), torch's
+    kernel on AVX-512."""
+    for capability, want in (("AVX2", {"words", "cpu"}), ("AVX512", {"cpu"})):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
+        model = q.quantize_model(hf_to_ours(make_hf("llama-gqa")), "int4:32")
+        q.compiled_layouts(model)
+        # head_dim 24: o_proj's 96 inputs are not a multiple of 64, so it keeps torch's kernel
+        assert {m.kernel for m in model.modules() if isinstance(m, q.Int4Linear)} == want, capability
+
+
+def test_model_decodes_in_words_layout_as_in_plain_layout():
     """A whole int4 model, its logits for a prefill and one-token decode steps, in the words layout against the plain
-    one (dequantize-then-matmul): the same weights, so the same logits within float32 rounding."""
+    layout (dequantize-then-matmul, float32 throughout): the same weights, the same logits within float32 rounding."""
     from kvcache import KVCache
 
-    torch.manual_seed(0)
     hf = make_hf("llama-gqa")
     logits = {}
-    for layout in ("words", None):  # head_dim 24: o_proj's 96 inputs take the plain layout
-        monkeypatch.setattr(q, "int4_kernel", lambda device, k=0, layout=layout: layout if k % 64 == 0 else None)
+    for layout in ("words", None):
         model = q.quantize_model(hf_to_ours(hf), "int4:32")
+        for m in model.modules():
+            if isinstance(m, q.Int4Linear):
+                m.repack(layout if m.in_padded % 64 == 0 else None)
         cache = KVCache.for_model(model.args, 1, 16, torch.float32, "cpu")
         tokens = torch.tensor([[1, 5, 9, 3]])
         out = [model(tokens, torch.arange(4), cache)[:, -1]]

@@ -215,7 +215,7 @@ def test_quantized_experts_equal_their_dequantize_reference(ours, mode, monkeypa
     """quantize_model quantizes every expert linear and leaves the router in model precision; with the
     dequantize-then-matmul path the model equals a float copy holding each linear's dequantize() weights."""
     monkeypatch.setattr(q, "int8_kernel", lambda device: None)
-    monkeypatch.setattr(q, "int4_kernel", lambda *args: None)
+    monkeypatch.setattr(q, "int4_kernel", lambda device: None)
     quantized = q.quantize_model(copy.deepcopy(ours), mode)
     reference = copy.deepcopy(ours)
     for (name, m), (_, ref) in zip(quantized.named_modules(), reference.named_modules()):

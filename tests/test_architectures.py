@@ -80,6 +80,7 @@ def test_quantized_qwen(tmp_path, name, mode):
     assert (q - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
+@pytest.mark.slow  # compiles
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi4-mini-partial", "gemma2"])
 def test_compiled_blocks_decode_matches_eager(name):
     """--compile blocks (the CPU default): the one-row Linear's multiply-and-sum with its bias, the q/k norms,

@@ -807,6 +807,7 @@ def test_slow_body_is_408(reference, greedy_8):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow  # prefills ~1,000 tokens of SmolLM2 for each case
 @pytest.mark.parametrize("path, field", [("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_tokens"),
                                          ("/v1/chat/completions", "max_completion_tokens")])
 def test_max_tokens_beyond_the_context_is_400(reference, greedy_8, path, field):

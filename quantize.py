@@ -207,8 +207,8 @@ class Int4Linear(Parts, nn.Module):
         self.register_buffer("scales_and_zeros", torch.zeros(self.in_padded // group_size, self.out_padded, 2,
                                                              dtype=KERNEL_DTYPE, device=device))
         self.bias = float_bias(out_features, dtype, device) if bias else None  # (N,), not padded
-        perm = torch.arange(in_features, device=device) if act_order else None  # (K,); None: not in the state
-        self.register_buffer("in_perm", perm)
+        # (K,), given with the codes (a meta placeholder until then: the first part to come sets it); None: no order
+        self.register_buffer("in_perm", torch.empty(in_features, dtype=torch.int64, device="meta") if act_order else None)
 
     def quantize_weight(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """The plain buffers (weight, scales_and_zeros) for float weight w (N, K): this module's, or one part's
@@ -228,9 +228,9 @@ class Int4Linear(Parts, nn.Module):
         are (a GGUF file's Q4_0/Q4_1 blocks, GPTQ's): no rounding of the weights, only of scale and zero to bf16.
         N: this module's rows, or one part's. perm (K,): the input of each code column (act_order modules)."""
         assert (perm is None) == (self.in_perm is None), "perm goes with an act_order module"
-        N, K = codes.shape
-        assert K == self.in_features and N in self.row_counts() and scales.shape == (N, K // self.group_size)
-        pad_n, pad_groups = round_up(N, N_MULTIPLE) - N, (self.in_padded - K) // self.group_size
+        N, K = codes.shape  # scales (N, K/G rounded up): a last group padded with zero inputs may be partly real
+        assert K == self.in_features and N in self.row_counts() and scales.shape == (N, -(-K // self.group_size))
+        pad_n, pad_groups = round_up(N, N_MULTIPLE) - N, self.in_padded // self.group_size - scales.shape[1]
         codes = F.pad(codes, (0, self.in_padded - K, 0, pad_n), value=8)  # padding: scale 0, zero 0, so 0
         scales, zeros = (F.pad(t, (0, pad_groups, 0, pad_n)) for t in (scales, zeros))
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).to(KERNEL_DTYPE).contiguous()
@@ -251,15 +251,17 @@ class Int4Linear(Parts, nn.Module):
         super().load_part(i, {k: t.to(KERNEL_DTYPE) if k == "scales_and_zeros" else t for k, t in tensors.items()})
 
     def parts_state(self) -> list[dict[str, torch.Tensor]]:
-        parts = super().parts_state()
         if self.parts is None:
-            return parts
+            return super().parts_state()
+        state = self.state_dict()
+        perm = state.pop("in_perm", None)  # every part's input order: not split by rows
         out = []
-        for i, state in enumerate(parts):  # each as an Int4Linear of the part's own shape stores it: 16-row blocks
-            pad = -self.part_rows(i)[1] % N_MULTIPLE
-            out.append({k: t if k == "bias" else self.in_perm if k == "in_perm" else
-                        F.pad(t, [0, 0] * (t.dim() - 1 - self.ROW_DIMS.get(k, 0)) + [0, pad]).contiguous()
-                        for k, t in state.items()})
+        for i in range(len(self.parts)):  # each as an Int4Linear of the part's own shape stores it: 16-row blocks
+            start, n = self.part_rows(i)
+            rows = {k: t.narrow(self.ROW_DIMS.get(k, 0), start, n) for k, t in state.items()}
+            out.append({k: t if k == "bias" else
+                        F.pad(t, [0, 0] * (t.dim() - 1 - self.ROW_DIMS.get(k, 0)) + [0, -n % N_MULTIPLE]).contiguous()
+                        for k, t in rows.items()} | ({} if perm is None else {"in_perm": perm.clone()}))
         return out
 
     def pack_for_kernel(self) -> None:

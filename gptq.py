@@ -1,0 +1,239 @@
+"""Int4 quantization that uses calibration activations: GPTQ and AWQ, into quantize.py's Int4Linear (the same grid as
+round-to-nearest, w = (q - 8) * scale + zero per group of G inputs, bf16 scale and zero).
+
+Shape legend: N out_features, K in_features (padded to a multiple of G), G group size, B GPTQ's block of columns,
+M calibration rows (tokens), C model width, F one MLP's width.
+- GPTQ (Frantar et al. 2022): each linear's columns are rounded one at a time and the error of each is spread over
+  the columns not yet rounded, weighted by the inverse Hessian H = X^T X of the linear's inputs (damped), so the
+  output error on the calibration inputs shrinks. Updates are applied B columns at a time (the same result as column
+  by column, faster); act-order rounds the columns of largest H diagonal first (Int4Linear.in_perm keeps the order).
+- AWQ (Lin et al. 2023): the inputs of a linear are scaled per channel by s = mean|x|^alpha (alpha searched on a
+  grid) before round-to-nearest, so salient channels lose less; x / s is folded into what produces x (a norm's
+  weight, the up projection's rows, v's rows), so the float model computes the same function before rounding.
+The blocks are calibrated in turn: the inputs of block i are the outputs of the already quantized blocks before it,
+so the memory is one block's activations for the calibration tokens (and one H per linear).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from quantize import KERNEL_DTYPE, dequantize_int4, make_quantized_linear, parse_mode, quantization_of, quantize_int4
+
+METHODS = ("rtn", "gptq", "awq")
+DAMP = 0.01  # GPTQ's damping: this fraction of H's mean diagonal added to it (the paper's default)
+BLOCK = 128  # GPTQ's columns per lazy batch update
+AWQ_GRID = 20  # alphas 0, 1/20, ..., 19/20 (AutoAWQ's grid)
+
+
+# ---- GPTQ ----
+
+def int4_params(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """wg (N, G) -> scale, zero (N,) as quantize.quantize_int4 sets them (min/max, rounded to bf16)."""
+    lo, hi = wg.amin(dim=1), wg.amax(dim=1)
+    scale = ((hi - lo).clamp(min=1e-6) / 15).to(KERNEL_DTYPE).to(wg.dtype)
+    return scale, (lo + 8 * scale).to(KERNEL_DTYPE).to(wg.dtype)
+
+
+def round_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N,) -> codes in [0, 15] and the weights they stand for."""
+    q = torch.round((w - zero) / scale + 8).clamp(0, 15)
+    return q, (q - 8) * scale + zero
+
+
+def gptq_order(H: torch.Tensor, act_order: bool) -> torch.Tensor | None:
+    """Act-order: columns by decreasing H diagonal; dead columns (zero input: K's padding) last, in order."""
+    if not act_order:
+        return None
+    d = H.diagonal()
+    return torch.sort(torch.where(d > 0, d, -1.0), descending=True, stable=True).indices
+
+
+def inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """The upper Cholesky factor U of (H + damp * mean diag)^-1 (= U^T U): row i holds the OBS update of the
+    columns after i once columns < i are fixed, U[i, i] its scale."""
+    H = H.clone()
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1  # an input that is always zero: its weight is set to 0 and its row decouples
+    H.diagonal().add_(damp * H.diagonal().mean())
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+
+def gptq_solve(w: torch.Tensor, H: torch.Tensor, group: int, damp: float = DAMP, block: int = BLOCK,
+               act_order: bool = False):
+    """GPTQ of w (N, K) with inputs' H (K, K), K a multiple of G -> codes (N, K) uint8, scales and zeros (N, K/G)
+    in code order, and the order (K,) (None without act_order): code column i is input perm[i]. A group's scale and
+    zero come from its weights as updated when its first column is reached; blocks hold whole groups."""
+    perm = gptq_order(H, act_order)
+    W = (w if perm is None else w[:, perm]).clone()
+    H = H if perm is None else H[perm][:, perm]
+    W[:, H.diagonal() == 0] = 0
+    U = inverse_hessian_factor(H, damp)
+    N, K = W.shape
+    codes = torch.empty(N, K, dtype=torch.uint8, device=w.device)
+    scales, zeros = (torch.empty(N, K // group, dtype=w.dtype, device=w.device) for _ in range(2))
+    block = max(block // group, 1) * group
+    for i1 in range(0, K, block):
+        i2 = min(i1 + block, K)
+        W1, U1 = W[:, i1:i2], U[i1:i2, i1:i2]  # (N, B), (B, B); W1 is updated in place
+        errors = torch.empty_like(W1)  # (N, B): each column's scaled rounding error
+        for i in range(i2 - i1):
+            if (i1 + i) % group == 0:
+                scale, zero = int4_params(W1[:, i:i + group])
+                scales[:, (i1 + i) // group], zeros[:, (i1 + i) // group] = scale, zero
+            q, wq = round_column(W1[:, i], scale, zero)
+            codes[:, i1 + i] = q.to(torch.uint8)
+            errors[:, i] = (W1[:, i] - wq) / U1[i, i]
+            W1[:, i + 1:] -= errors[:, i:i + 1] * U1[i:i + 1, i + 1:]  # within the block, column by column
+        W[:, i2:] -= errors @ U[i1:i2, i2:]  # the block's effect on every later column at once
+    return codes, scales, zeros, perm
+
+
+# ---- AWQ ----
+
+def rtn_weight(w: torch.Tensor, group: int) -> torch.Tensor:
+    """w (N, K) after round-to-nearest int4 (K zero-padded to a multiple of G, as Int4Linear pads it)."""
+    K = w.shape[1]
+    padded = F.pad(w.float(), (0, -K % group))
+    return dequantize_int4(*quantize_int4(padded, group, KERNEL_DTYPE))[:, :K]
+
+
+def awq_scale(w: torch.Tensor, H: torch.Tensor, x_mean: torch.Tensor, group: int) -> torch.Tensor:
+    """AWQ's per-input scale s (K,) for weight w (N, K) whose inputs have H = X^T X and mean |x| x_mean (K,): the
+    alpha on AWQ_GRID whose s = x_mean^alpha (normalized) minimizes the output error on the calibration inputs,
+    trace((Q(w s) / s - w) H (Q(w s) / s - w)^T)."""
+    best, best_s = None, torch.ones_like(x_mean)
+    for alpha in (i / AWQ_GRID for i in range(AWQ_GRID)):
+        s = x_mean.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        d = rtn_weight(w * s, group) / s - w  # (N, K)
+        loss = ((d @ H) * d).sum().item()
+        if best is None or loss < best:
+            best, best_s = loss, s
+    return best_s
+
+
+def scale_norm(norm: nn.Module, s: torch.Tensor) -> None:
+    """Divide an RMSNorm's output by s (C,): its weight (Gemma's stores w - 1)."""
+    w = norm.weight.float()
+    w = (1 + w) / s - 1 if norm.plus_one else w / s
+    norm.weight.data = w.to(norm.weight.dtype)
+
+
+def awq_fold(block: nn.Module, stats: dict, group: int) -> None:
+    """Search and fold AWQ's scales into a block's float weights, the function unchanged: x / s into the norm (or the
+    rows) that produce each linear's input, w * s into the linear's columns."""
+    attn, mlp = block.self_attn, block.mlp
+    ffn_norm = block.pre_feedforward_layernorm if block.sandwich else block.post_attention_layernorm
+    targets = [(attn.qkv_proj, lambda s: scale_norm(block.input_layernorm, s)),
+               (mlp.gate_up_proj, lambda s: scale_norm(ffn_norm, s)),
+               (mlp.down_proj, lambda s: scale_rows(mlp.gate_up_proj, mlp.down_proj.in_features, s))]
+    if attn.n_heads == attn.n_kv_heads:  # o_proj's inputs are v's outputs only without GQA (else a v row feeds H/K)
+        targets.append((attn.o_proj, lambda s: scale_rows(attn.qkv_proj, (attn.n_heads + attn.n_kv_heads) *
+                                                          attn.head_dim, s)))
+    scales = [(linear, fold, awq_scale(linear.weight.float(), *stats[linear], group)) for linear, fold in targets]
+    for linear, fold, s in scales:  # searched on the block as it was, then folded
+        fold(s)
+        linear.weight.data = (linear.weight.float() * s).to(linear.weight.dtype)
+
+
+def scale_rows(linear: nn.Module, first: int, s: torch.Tensor) -> None:
+    """Divide a linear's output rows from `first` on (up in gate | up, v in q | k | v), and their bias, by s."""
+    linear.weight.data[first:] = (linear.weight[first:].float() / s[:, None]).to(linear.weight.dtype)
+    if linear.bias is not None:
+        linear.bias.data[first:] = (linear.bias[first:].float() / s).to(linear.bias.dtype)
+
+
+# ---- the model, block by block ----
+
+def fill_int4(q: nn.Module, linear: nn.Module, codes, scales, zeros, perm) -> nn.Module:
+    """Int4Linear q given codes (N, K) (in code order: column i is input perm[i]) with scales and zeros (N, K/G),
+    part by part as loading fills it, the linear's bias beside them; packed for its kernel."""
+    K = linear.in_features
+    perm = None if perm is None else perm[:K]
+    assert perm is None or torch.equal(perm.sort().values, torch.arange(K, device=perm.device)), "padding last"
+    for i in range(len(q.parts or [None])):
+        start, n = q.part_rows(i)
+        rows = slice(start, start + n)
+        q.load_part(i, q.buffers_for_codes(codes[rows, :K], scales[rows], zeros[rows], perm))
+        if linear.bias is not None:
+            q.load_part(i, {"bias": linear.bias[rows]})
+    q.pack_for_kernel()
+    return q
+
+
+def gptq_linear(linear: nn.Module, H: torch.Tensor, group: int, act_order: bool, dtype: torch.dtype) -> nn.Module:
+    """The Int4Linear GPTQ makes of a float linear whose inputs have H (K, K)."""
+    q = make_quantized_linear("int4", group, linear, dtype, act_order)
+    pad = q.in_padded - linear.in_features  # zero columns with zero inputs: dead, rounded last
+    w = F.pad(linear.weight.float(), (0, pad))
+    codes, scales, zeros, perm = gptq_solve(w, F.pad(H, (0, pad, 0, pad)), group, act_order=act_order)
+    return fill_int4(q, linear, codes, scales, zeros, perm)
+
+
+def rtn_linear(linear: nn.Module, group: int, dtype: torch.dtype) -> nn.Module:
+    """The Int4Linear round-to-nearest makes of a float linear (quantize.quantize_model's, part by part)."""
+    q = make_quantized_linear("int4", group, linear, dtype)
+    for i in range(len(q.parts or [None])):
+        start, n = q.part_rows(i)
+        q.load_part(i, q.quantize_weight(linear.weight[start:start + n]))
+        if linear.bias is not None:
+            q.load_part(i, {"bias": linear.bias[start:start + n]})
+    q.pack_for_kernel()
+    return q
+
+
+def input_stats(block: nn.Module, linears: list[nn.Module], states: list) -> dict:
+    """{linear: (H = X^T X (K, K), mean |x| (K,))} of each linear's inputs over the calibration states (float32)."""
+    sums = {m: [torch.zeros(m.in_features, m.in_features), torch.zeros(m.in_features), 0] for m in linears}
+
+    def hook(module, inputs, output):
+        x = inputs[0].reshape(-1, module.in_features).float()  # (M, K)
+        acc = sums[module]
+        acc[0].addmm_(x.t(), x)
+        acc[1] += x.abs().sum(0)
+        acc[2] += x.shape[0]
+
+    handles = [m.register_forward_hook(hook) for m in linears]
+    try:
+        for state in states:
+            block(*state, None)
+    finally:
+        for h in handles:
+            h.remove()
+    return {m: (H, total / n) for m, (H, total, n) in sums.items()}
+
+
+@torch.no_grad()
+def quantize_calibrated(model: nn.Module, mode: str, method: str, sequences: list[list[int]],
+                        act_order: bool = False, progress: bool = False) -> nn.Module:
+    """Quantize a float model's block linears to int4 in place with GPTQ or AWQ from calibration token sequences,
+    block by block (each block calibrated on the outputs of the quantized blocks before it)."""
+    kind, group = parse_mode(mode)
+    if kind != "int4" or method not in ("gptq", "awq"):
+        raise ValueError(f"--method {method} with --mode {mode}: GPTQ and AWQ make int4:G (rtn: any mode)")
+    if act_order and method != "gptq":
+        raise ValueError("--act-order is GPTQ's; drop it for --method awq")
+    if model.args.n_experts is not None:
+        raise ValueError(f"--method {method}: Mixtral's experts are not supported (a router shares their input); "
+                         "use --method rtn")
+    if quantization_of(model) is not None:
+        raise ValueError("the model is quantized already; quantize from its float weights")
+    dtype = model.norm.weight.dtype
+    device = model.embed_tokens.weight.device
+    states = []  # per sequence: (x, input_pos, cos, sin, mask), what a block takes
+    for seq in sequences:
+        pos = torch.arange(len(seq), device=device)
+        x, cos, sin, mask = model.inputs(torch.tensor([seq], device=device), pos, None)  # x (1, T, C)
+        states.append((x, pos, cos, sin, mask))
+    for block in tqdm(model.layers, desc=method, unit="layer", disable=not progress):
+        linears = {name: m for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+        stats = input_stats(block, list(linears.values()), states)
+        if method == "awq":
+            awq_fold(block, stats, group)
+        for name, m in linears.items():
+            q = gptq_linear(m, stats[m][0], group, act_order, dtype) if method == "gptq" else rtn_linear(m, group, dtype)
+            block.set_submodule(name, q)
+        del stats
+        states = [(block(*state, None), *state[1:]) for state in states]
+    return model

@@ -13,6 +13,8 @@ M calibration rows (tokens), C model width, F one MLP's width.
 The blocks are calibrated in turn: the inputs of block i are the outputs of the already quantized blocks before it,
 so the memory is one block's activations for the calibration tokens (and one H per linear).
 """
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -23,16 +25,36 @@ from quantize import KERNEL_DTYPE, dequantize_int4, make_quantized_linear, parse
 METHODS = ("rtn", "gptq", "awq")
 DAMP = 0.01  # GPTQ's damping: this fraction of H's mean diagonal added to it (the paper's default)
 BLOCK = 128  # GPTQ's columns per lazy batch update
+CLIP = tuple(1 - i / 40 for i in range(12))  # the range shrink factors a calibrated group's scale is chosen from
 AWQ_GRID = 20  # alphas 0, 1/20, ..., 19/20 (AutoAWQ's grid)
+SEQ_LEN = 512  # calibration tokens per sequence
+# Public-domain and project-written text, disjoint from quality.py's evaluation text: Genesis 1:1-19 (King James
+# Version), the Gettysburg Address, and short stories and prose written for this project.
+CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "calibration.txt")
 
 
 # ---- GPTQ ----
 
-def int4_params(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """wg (N, G) -> scale, zero (N,) as quantize.quantize_int4 sets them (min/max, rounded to bf16)."""
+def int4_params(wg: torch.Tensor, h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """wg (N, G) -> scale, zero (N,) rounded to bf16: from the group's min and max (quantize.quantize_int4's), or
+    with input weights h (G,) from min and max shrunk by the CLIP factor that minimizes sum h (w - q(w))^2 per row
+    (an outlier's rounding error then costs less than coarser steps for the rest)."""
     lo, hi = wg.amin(dim=1), wg.amax(dim=1)
-    scale = ((hi - lo).clamp(min=1e-6) / 15).to(KERNEL_DTYPE).to(wg.dtype)
-    return scale, (lo + 8 * scale).to(KERNEL_DTYPE).to(wg.dtype)
+    best = None
+    for p in (1.0,) if h is None else CLIP:
+        scale = ((p * (hi - lo)).clamp(min=1e-6) / 15).to(KERNEL_DTYPE).to(wg.dtype)
+        zero = (p * lo + 8 * scale).to(KERNEL_DTYPE).to(wg.dtype)
+        if h is None:
+            return scale, zero
+        _, wq = round_column(wg, scale[:, None], zero[:, None])
+        err = ((wq - wg) ** 2 * h).sum(dim=1)  # (N,)
+        if best is None:
+            best = [err, scale, zero]
+        else:
+            better = err < best[0]
+            for kept, new in zip(best, (err, scale, zero)):
+                kept[better] = new[better]
+    return best[1], best[2]
 
 
 def round_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +82,7 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def gptq_solve(w: torch.Tensor, H: torch.Tensor, group: int, damp: float = DAMP, block: int = BLOCK,
-               act_order: bool = False):
+               act_order: bool = False, clip: bool = True):
     """GPTQ of w (N, K) with inputs' H (K, K), K a multiple of G -> codes (N, K) uint8, scales and zeros (N, K/G)
     in code order, and the order (K,) (None without act_order): code column i is input perm[i]. A group's scale and
     zero come from its weights as updated when its first column is reached; blocks hold whole groups."""
@@ -69,6 +91,7 @@ def gptq_solve(w: torch.Tensor, H: torch.Tensor, group: int, damp: float = DAMP,
     H = H if perm is None else H[perm][:, perm]
     W[:, H.diagonal() == 0] = 0
     U = inverse_hessian_factor(H, damp)
+    h = H.diagonal()  # each input's weight in the output error, for the groups' clip search
     N, K = W.shape
     codes = torch.empty(N, K, dtype=torch.uint8, device=w.device)
     scales, zeros = (torch.empty(N, K // group, dtype=w.dtype, device=w.device) for _ in range(2))
@@ -79,7 +102,7 @@ def gptq_solve(w: torch.Tensor, H: torch.Tensor, group: int, damp: float = DAMP,
         errors = torch.empty_like(W1)  # (N, B): each column's scaled rounding error
         for i in range(i2 - i1):
             if (i1 + i) % group == 0:
-                scale, zero = int4_params(W1[:, i:i + group])
+                scale, zero = int4_params(W1[:, i:i + group], h[i1 + i:i1 + i + group] if clip else None)
                 scales[:, (i1 + i) // group], zeros[:, (i1 + i) // group] = scale, zero
             q, wq = round_column(W1[:, i], scale, zero)
             codes[:, i1 + i] = q.to(torch.uint8)
@@ -120,7 +143,7 @@ def scale_norm(norm: nn.Module, s: torch.Tensor) -> None:
     norm.weight.data = w.to(norm.weight.dtype)
 
 
-def awq_fold(block: nn.Module, stats: dict, group: int) -> None:
+def awq_fold(block: nn.Module, stats: dict, group: int) -> dict[nn.Module, torch.Tensor]:
     """Search and fold AWQ's scales into a block's float weights, the function unchanged: x / s into the norm (or the
     rows) that produce each linear's input, w * s into the linear's columns."""
     attn, mlp = block.self_attn, block.mlp
@@ -135,6 +158,7 @@ def awq_fold(block: nn.Module, stats: dict, group: int) -> None:
     for linear, fold, s in scales:  # searched on the block as it was, then folded
         fold(s)
         linear.weight.data = (linear.weight.float() * s).to(linear.weight.dtype)
+    return {linear: s for linear, _, s in scales}
 
 
 def scale_rows(linear: nn.Module, first: int, s: torch.Tensor) -> None:
@@ -145,6 +169,12 @@ def scale_rows(linear: nn.Module, first: int, s: torch.Tensor) -> None:
 
 
 # ---- the model, block by block ----
+
+def calibration_sequences(tokens: list[int], max_tokens: int | None, seq_len: int) -> list[list[int]]:
+    """The first max_tokens of a text's tokens (all: None) in sequences of seq_len (the last one shorter)."""
+    tokens = tokens[:max_tokens] if max_tokens else tokens
+    return [tokens[i:i + seq_len] for i in range(0, len(tokens), seq_len) if len(tokens[i:i + seq_len]) > 1]
+
 
 def fill_int4(q: nn.Module, linear: nn.Module, codes, scales, zeros, perm) -> nn.Module:
     """Int4Linear q given codes (N, K) (in code order: column i is input perm[i]) with scales and zeros (N, K/G),
@@ -169,6 +199,19 @@ def gptq_linear(linear: nn.Module, H: torch.Tensor, group: int, act_order: bool,
     w = F.pad(linear.weight.float(), (0, pad))
     codes, scales, zeros, perm = gptq_solve(w, F.pad(H, (0, pad, 0, pad)), group, act_order=act_order)
     return fill_int4(q, linear, codes, scales, zeros, perm)
+
+
+def clipped_linear(linear: nn.Module, h: torch.Tensor, group: int, dtype: torch.dtype) -> nn.Module:
+    """The Int4Linear of a float linear rounded to nearest with each group's range clipped (int4_params with the
+    inputs' weights h (K,))."""
+    q = make_quantized_linear("int4", group, linear, dtype)
+    pad = q.in_padded - linear.in_features
+    w, h = F.pad(linear.weight.float(), (0, pad)), F.pad(h, (0, pad))
+    params = [int4_params(w[:, g:g + group], h[g:g + group]) for g in range(0, w.shape[1], group)]
+    scales, zeros = (torch.stack(p, dim=1) for p in zip(*params))  # (N, K/G) each
+    s, z = (t.repeat_interleave(group, dim=1) for t in (scales, zeros))  # (N, K)
+    codes, _ = round_column(w, s, z)
+    return fill_int4(q, linear, codes.to(torch.uint8), scales, zeros, None)
 
 
 def rtn_linear(linear: nn.Module, group: int, dtype: torch.dtype) -> nn.Module:
@@ -229,10 +272,13 @@ def quantize_calibrated(model: nn.Module, mode: str, method: str, sequences: lis
     for block in tqdm(model.layers, desc=method, unit="layer", disable=not progress):
         linears = {name: m for name, m in block.named_modules() if isinstance(m, nn.Linear)}
         stats = input_stats(block, list(linears.values()), states)
-        if method == "awq":
-            awq_fold(block, stats, group)
+        scales = awq_fold(block, stats, group) if method == "awq" else {}
         for name, m in linears.items():
-            q = gptq_linear(m, stats[m][0], group, act_order, dtype) if method == "gptq" else rtn_linear(m, group, dtype)
+            if method == "gptq":
+                q = gptq_linear(m, stats[m][0], group, act_order, dtype)
+            else:  # the inputs are x / s now
+                h = stats[m][0].diagonal() / (scales[m] ** 2 if m in scales else 1)
+                q = clipped_linear(m, h, group, dtype)
             block.set_submodule(name, q)
         del stats
         states = [(block(*state, None), *state[1:]) for state in states]

@@ -27,7 +27,7 @@ def gptq_reference(w, H, group, damp=0.01):
     codes = torch.empty(W.shape, dtype=torch.uint8)
     for i in range(W.shape[1]):
         if i % group == 0:
-            scale, zero = int4_params(W[:, i:i + group])
+            scale, zero = int4_params(W[:, i:i + group], H.diagonal()[i:i + group])
         q, wq = round_column(W[:, i], scale, zero)
         codes[:, i] = q.to(torch.uint8)
         W[:, i + 1:] -= ((W[:, i] - wq) / Hinv[i, i])[:, None] * Hinv[i, i + 1:][None]
@@ -150,3 +150,28 @@ def test_refusals(tiny):
         quantize_calibrated(copy.deepcopy(tiny), "int8", "gptq", [[1, 2, 3]])
     with pytest.raises(ValueError, match="--act-order is GPTQ's"):
         quantize_calibrated(copy.deepcopy(tiny), "int4:32", "awq", [[1, 2, 3]], act_order=True)
+
+
+def test_export_gptq_act_order_folder(tiny_text_dir, tmp_path):
+    """export.py --method gptq --act-order writes a folder that loads with the input orders it was solved with."""
+    import export
+
+    out = tmp_path / "gptq"
+    assert export.main(["--model", tiny_text_dir, "--mode", "int4:64", "--method", "gptq", "--act-order",
+                        "--calibration-tokens", "500", "--dtype", "float32", "--out", str(out)]) == 0
+    loaded, _ = load_model(str(out), "cpu", torch.float32)
+    qkv = loaded.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Int4Linear) and qkv.group_size == 64
+    assert sorted(qkv.in_perm.tolist()) == list(range(64)) and qkv.in_perm.tolist() != list(range(64))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mode", "int8", "--method", "gptq"], "--method gptq makes the block linears int4:G"),
+    (["--mode", "int4:32", "--method", "awq", "--quantize-head"], "the head takes --method rtn"),
+    (["--mode", "int4:32", "--act-order"], "need --method gptq or awq"),
+    (["--mode", "int4:32", "--method", "gptq", "--calibration-tokens", "1"], "must be at least 2")])
+def test_export_method_flags_checked_first(tiny_text_dir, tmp_path, cli_error, argv, message):
+    import export
+
+    assert message in cli_error(export.main, ["--model", tiny_text_dir, *argv, "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()

@@ -10,6 +10,8 @@ M calibration rows (tokens), C model width, F one MLP's width.
 - AWQ (Lin et al. 2023): the inputs of a linear are scaled per channel by s = mean|x|^alpha (alpha searched on a
   grid) before round-to-nearest, so salient channels lose less; x / s is folded into what produces x (a norm's
   weight, the up projection's rows, v's rows), so the float model computes the same function before rounding.
+Both choose each group's scale and zero from its min and max shrunk by the factor of CLIP that minimizes the rounding
+error weighted by H's diagonal (round-to-nearest's plain min/max lets one outlier coarsen the whole group's steps).
 The blocks are calibrated in turn: the inputs of block i are the outputs of the already quantized blocks before it,
 so the memory is one block's activations for the calibration tokens (and one H per linear).
 """
@@ -212,18 +214,6 @@ def clipped_linear(linear: nn.Module, h: torch.Tensor, group: int, dtype: torch.
     s, z = (t.repeat_interleave(group, dim=1) for t in (scales, zeros))  # (N, K)
     codes, _ = round_column(w, s, z)
     return fill_int4(q, linear, codes.to(torch.uint8), scales, zeros, None)
-
-
-def rtn_linear(linear: nn.Module, group: int, dtype: torch.dtype) -> nn.Module:
-    """The Int4Linear round-to-nearest makes of a float linear (quantize.quantize_model's, part by part)."""
-    q = make_quantized_linear("int4", group, linear, dtype)
-    for i in range(len(q.parts or [None])):
-        start, n = q.part_rows(i)
-        q.load_part(i, q.quantize_weight(linear.weight[start:start + n]))
-        if linear.bias is not None:
-            q.load_part(i, {"bias": linear.bias[start:start + n]})
-    q.pack_for_kernel()
-    return q
 
 
 def input_stats(block: nn.Module, linears: list[nn.Module], states: list) -> dict:

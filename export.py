@@ -1,6 +1,9 @@
 """Write a quantized checkpoint folder that `generate.py --model DIR` loads:
 
     python export.py --model M --mode int4:64 --out DIR
+    python export.py --model M --mode int4:128 --method gptq [--act-order] [--calibration FILE] --out DIR
+
+--method rtn rounds each weight to the nearest code; gptq and awq (gptq.py) use calibration text's activations.
 
 model.safetensors holds the quantized modules' tensors with the mode in its metadata (hffolder.read_quantization),
 beside config.json and the tokenizer files (copied from a Hugging Face folder, or built from a GGUF vocabulary).
@@ -16,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from cli import default_model, run_cli
+from gptq import CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated
 from hffolder import read_quantization
 from load import checkpoint_state, load_model, resolve_model_path
 from quantize import MODES_HELP, parse_mode, quantization_of, weight_bytes
@@ -151,21 +155,54 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="folder to write the quantized checkpoint to")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the scales and of the unquantized weights (default bfloat16)")
+    p.add_argument("--method", default="rtn", choices=METHODS,
+                   help="rtn: round to nearest (default); gptq, awq: int4 from calibration activations (gptq.py)")
+    p.add_argument("--calibration", default=CALIBRATION_FILE, metavar="FILE",
+                   help="UTF-8 calibration text for gptq/awq (default: data/calibration.txt)")
+    p.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
+                   help="use the text's first N tokens (default: all)")
+    p.add_argument("--act-order", action="store_true", help="gptq: round the inputs of largest activation first")
     return p.parse_args(argv)
 
 
+def check_method(args: argparse.Namespace) -> None:
+    """A ValueError for flags that do not go together, before anything is loaded."""
+    kind, _ = parse_mode(args.mode)
+    if args.method == "rtn" and (args.act_order or args.calibration != CALIBRATION_FILE or args.calibration_tokens):
+        raise ValueError("--act-order, --calibration and --calibration-tokens need --method gptq or awq")
+    if args.method != "rtn" and (kind != "int4" or args.quantize_head):
+        raise ValueError(f"--method {args.method} makes the block linears int4:G; got --mode {args.mode}"
+                         f"{' with --quantize-head (the head takes --method rtn)' if args.quantize_head else ''}")
+    if args.calibration_tokens is not None and args.calibration_tokens < 2:
+        raise ValueError(f"--calibration-tokens {args.calibration_tokens}: must be at least 2")
+
+
+def calibrated_model(args: argparse.Namespace, source: str):
+    """The float model quantized with GPTQ / AWQ on the calibration text."""
+    from quality import load_eval_tokens
+
+    model, path = load_model(source, "cpu", getattr(torch, args.dtype), progress=sys.stderr.isatty(), quantize="none")
+    tokens = load_eval_tokens(load_tokenizer(path), args.calibration, flag="--calibration")
+    seqs = calibration_sequences(tokens, args.calibration_tokens, min(SEQ_LEN, model.args.max_seq_len))
+    return quantize_calibrated(model, args.mode, args.method, seqs, args.act_order, progress=sys.stderr.isatty())
+
+
 def run(args: argparse.Namespace) -> None:
-    parse_mode(args.mode)
+    check_method(args)
     check_out_folder(args.out)  # before resolving the model: a bad --out fails before a hub download, too
     source = resolve_model_path(args.model or default_model())
     check_not_source(args.out, source)
-    model, _ = load_model(source, "cpu", getattr(torch, args.dtype), progress=sys.stderr.isatty(),
-                          quantize=args.mode, quantize_head=args.quantize_head)
+    if args.method == "rtn":
+        model, _ = load_model(source, "cpu", getattr(torch, args.dtype), progress=sys.stderr.isatty(),
+                              quantize=args.mode, quantize_head=args.quantize_head)
+    else:
+        model = calibrated_model(args, source)
     try:
         save_quantized(model, source, args.out)
     except OSError as e:  # e.g. the disk filled up while writing
         raise ValueError(f"cannot write to --out {args.out!r}: {e.strerror or e}") from None
-    print(f"wrote {args.out} ({args.mode}{', head quantized' if args.quantize_head else ''}, "
+    print(f"wrote {args.out} ({args.mode} {args.method}{' act-order' if args.act_order else ''}"
+          f"{', head quantized' if args.quantize_head else ''}, "
           f"weights {weight_bytes(model) / 1e6:.1f} MB)", file=sys.stderr)
 
 

@@ -89,7 +89,8 @@ def read_quantization(file: str) -> dict[str, str] | None:
 
     with safe_open(file, framework="pt") as f:
         meta = f.metadata() or {}
-    return {k: meta[k] for k in ("quantization", "group_size", "quantize_head")} if "quantization" in meta else None
+    keys = ("quantization", "group_size", "quantize_head") + (("act_order",) if "act_order" in meta else ())
+    return {k: meta[k] for k in keys} if "quantization" in meta else None
 
 
 def tensor_names(key: str, shape: tuple[int, ...]) -> list[tuple[str, tuple, tuple | None]]:

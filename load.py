@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 import gguffile
 import hffolder
+import hfquant
 from config import ModelArgs
 from model import Parts, Transformer
 from quantize import (Int4Linear, Int8GroupLinear, Int8Linear, dequantize_state, make_quantized_linear, mode_name,
@@ -163,7 +164,7 @@ def check_tensors(expected: dict[str, tuple], found: dict[str, tuple], source: s
 
 
 SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")  # what a float weight may be stored as: it is cast to the dtype
-SAFETENSORS_INTS = {torch.int8: "I8", torch.uint8: "U8"}  # quantized codes: int8, and int4 packed in bytes
+SAFETENSORS_INTS = {torch.int8: "I8", torch.uint8: "U8", torch.int64: "I64"}  # codes: int8, int4 in bytes; in_perm
 
 
 def check_dtypes(model: Transformer, found: dict[str, str], source: str) -> None:
@@ -231,10 +232,12 @@ class Filler:
     def cast(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype) if t.is_floating_point() else t.to(self.device)
 
-    def put_int4_blocks(self, name: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
-        """A linear's int4 codes (N, K) with a scale and zero per block, taken as they are (a GGUF's Q4 blocks)."""
+    def put_int4_blocks(self, name: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        perm: torch.Tensor | None = None) -> None:
+        """A linear's int4 codes (N, K) with a scale and zero per block, taken as they are (a GGUF's Q4 blocks,
+        GPTQ/AWQ's; perm: an act-order input order)."""
         module, part, _ = self.target(name)
-        buffers = module.buffers_for_codes(codes, scales, zeros)
+        buffers = module.buffers_for_codes(codes, scales, zeros, perm)
         module.load_part(part, {k: v.to(self.device) for k, v in buffers.items()})
         self.done(name, module)
 
@@ -271,8 +274,8 @@ def load_state(model: Transformer, state: dict[str, torch.Tensor], device="cpu",
 
 # ---- Hugging Face folders ----
 
-def checkpoint_quantization(path: str, files: list[str], request: Request) -> tuple[str, bool] | None:
-    """The (mode, quantize_head) a quantized folder was saved with, from its safetensors metadata, or None;
+def checkpoint_quantization(path: str, files: list[str], request: Request) -> tuple[str, bool, bool] | None:
+    """The (mode, quantize_head, act_order) a quantized folder was saved with, from its safetensors metadata, or None;
     a request that differs from it is an error (the checkpoint's codes cannot be re-quantized)."""
     try:
         meta = hffolder.read_quantization(os.path.join(path, files[0]))
@@ -281,12 +284,12 @@ def checkpoint_quantization(path: str, files: list[str], request: Request) -> tu
     if meta is None:
         return None
     saved = mode_name(*parse_mode(meta["quantization"] + (f":{meta['group_size']}" if meta["group_size"] else "")))
-    saved_head = meta["quantize_head"] == "true"
+    saved_head, act_order = meta["quantize_head"] == "true", meta.get("act_order") == "true"
     if not request.as_stored and (request.mode, request.head) != (saved, saved_head):
         raise ValueError(f"{path!r} is quantized as {saved}{' with the head' if saved_head else ''}; "
                          f"requested {request.mode or 'none'}{' with the head' if request.head else ''}: drop "
                          "--quantize to load it as saved, or quantize from the original weights")
-    return saved, saved_head
+    return saved, saved_head, act_order
 
 
 def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, request: Request, shard) -> Transformer:
@@ -295,8 +298,12 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, reques
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"no config.json in model folder {path!r}")
-    full_args = ModelArgs.from_hf_config(hffolder.read_json(config_file))
+    config = hffolder.read_json(config_file)
+    full_args = ModelArgs.from_hf_config(config)
     files = hffolder.safetensors_files(path)
+    packed = hfquant.packed_format(config, config_file)
+    if packed is not None:
+        return load_packed_folder(path, packed, full_args, files, device, dtype, progress, request, shard)
     saved = checkpoint_quantization(path, files, request)
     if saved is not None and shard is not None:
         raise ValueError(f"{path!r} is a quantized checkpoint, which tensor parallel cannot slice; load the "
@@ -321,6 +328,32 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, reques
             raise ValueError(f"cannot read tensor {key!r} from {file!r}: {e}") from None
         filler.put(name, t)
         release_freed_memory()
+    return filler.finish()
+
+
+def load_packed_folder(path: str, fmt: hfquant.PackedFormat, args: ModelArgs, files: list[str], device,
+                       dtype: torch.dtype, progress: bool, request: Request, shard) -> Transformer:
+    """A GPTQ / AWQ folder (hfquant.py): each linear's packed codes into an Int4Linear as they are."""
+    if shard is not None or not request.as_stored:
+        raise ValueError(f"{path!r} is a {fmt.method.upper()} checkpoint, which loads as its own codes: drop "
+                         "--quantize (and tensor parallel)")
+    with torch.device("meta"):
+        model = Transformer(args)
+    handles, found = hffolder.open_safetensors(path, files)
+    check_tensors(checkpoint_shapes(model), hfquant.float_shapes({k: v[2] for k, v in found.items()}, fmt), path)
+    filler = Filler(model, device, dtype, path)
+    head = "lm_head.qweight" in found
+    group = fmt.int4_group([m.in_features for n, m in model.named_modules()
+                            if isinstance(m, nn.Linear) and (head or n != "lm_head")])
+    swap_linears(model, f"int4:{group}", head, fmt.act_order)
+    for name, (file, key, _, pick, _) in tqdm(found.items(), desc="loading", disable=not progress, unit="tensor"):
+        prefix, _, kind = name.rpartition(".")
+        if kind == "qweight":
+            tensors = {k: handles[found[f"{prefix}.{k}"][0]].get_tensor(found[f"{prefix}.{k}"][1])
+                       for k in hfquant.PACKED if f"{prefix}.{k}" in found}
+            filler.put_int4_blocks(prefix + ".weight", *hfquant.int4_blocks(tensors, fmt, prefix, group))
+        elif kind not in hfquant.PACKED:
+            filler.put(name, hffolder.read_tensor(handles[file], key, pick, name, None, args))
     return filler.finish()
 
 

@@ -1,12 +1,19 @@
 """How much quantization costs: teacher-forced KL divergence, top-1 agreement and perplexity of each quantized
-variant against the float32 model, over a text (default: the first chapters of Pride and Prejudice in data/).
+variant (mode and method: rtn, gptq, awq) against the float32 model, over a text (default: the first chapters of
+Pride and Prejudice in data/, disjoint from gptq.py's calibration text).
 
-    python quality.py --model M [--text FILE]   # a Markdown table on stdout
+    python quality.py --model M [--text FILE] [--methods rtn,gptq,awq]   # a Markdown table on stdout
+    python quality.py --model F.gguf --ctx 512 [--llama-perplexity BIN]  # the file as it runs, beside llama.cpp
+
+With --ctx, the perplexity follows llama-perplexity's protocol: the text in chunks of ctx tokens (the first one
+BOS where the vocabulary adds one), each scored on its second half.
 """
 import argparse
 import copy
 import math
 import os
+import re
+import subprocess
 import sys
 
 import torch
@@ -15,7 +22,8 @@ from tqdm import tqdm
 
 from cli import default_model, run_cli
 from kvcache import KVCache
-from load import load_model
+from gptq import CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated
+from load import load_model, resolve_model_path
 from quantize import quantize_model, weight_bytes
 from tokenizer import load_tokenizer
 
@@ -42,34 +50,55 @@ def compare(ref: torch.Tensor, test: torch.Tensor, tokens: list[int]) -> dict[st
             "ppl": math.exp(nll.item())}
 
 
-def load_eval_tokens(tokenizer, text_file: str = DATA_FILE, max_tokens: int | None = None) -> list[int]:
+def load_eval_tokens(tokenizer, text_file: str = DATA_FILE, max_tokens: int | None = None,
+                     flag: str = "--text") -> list[int]:
     """The tokens of a UTF-8 text file, at most max_tokens (and at most the model's context, by the caller)."""
     try:
         with open(text_file, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read --text {text_file!r}: {e}") from None
+        raise ValueError(f"cannot read {flag} {text_file!r}: {e}") from None
     tokens = tokenizer.encode(text)
     if len(tokens) < 2:
-        raise ValueError(f"--text {text_file!r} has fewer than 2 tokens: nothing to predict")
+        raise ValueError(f"{flag} {text_file!r} has fewer than 2 tokens: nothing to predict")
     return tokens[:max_tokens] if max_tokens else tokens
 
 
-def evaluate(model_path: str, text_file: str = DATA_FILE, device: str = "cpu", progress: bool = False) -> list[dict]:
-    """Rows of the quality table for the model at model_path (a float32 reference) over the text file."""
-    ref_model, path = load_model(model_path, device, torch.float32, quantize="none")  # a GGUF's blocks dequantized
-    tokens = load_eval_tokens(load_tokenizer(path), text_file, ref_model.args.max_seq_len)
-    variants = [("float32", None, False, "model"), ("float32", None, False, "int8")]
+def variants(methods: tuple[str, ...]) -> list[tuple]:
+    """(weights, mode, method, head, KV cache) of each row: every mode by round-to-nearest (head too), the int4
+    modes by each other method."""
+    rows = [("float32", None, "-", False, "model"), ("float32", None, "-", False, "int8")]
     for mode in ("int8", "int4:32", "int4:64", "int4:128"):
-        variants += [(mode, mode, False, "model"), (mode, mode, True, "model")]
+        if "rtn" in methods:
+            rows += [(mode, mode, "rtn", False, "model"), (mode, mode, "rtn", True, "model")]
+        rows += [(mode, mode, m, False, "model") for m in methods if m != "rtn" and mode != "int8"]
+    return rows
+
+
+def evaluate(model_path: str, text_file: str = DATA_FILE, device: str = "cpu", progress: bool = False,
+             methods: tuple[str, ...] = ("rtn",), calibration: list[int] | None = None,
+             act_order: bool = False) -> list[dict]:
+    """Rows of the quality table for the model at model_path (a float32 reference) over the text file; gptq / awq
+    rows are calibrated on the tokens `calibration` (another text's)."""
+    ref_model, path = load_model(model_path, device, torch.float32, quantize="none")  # a GGUF's blocks dequantized
+    if calibration is not None:
+        calibration = calibration_sequences(calibration, None, min(SEQ_LEN, ref_model.args.max_seq_len))
+    tokens = load_eval_tokens(load_tokenizer(path), text_file, ref_model.args.max_seq_len)
     ref = teacher_forced_logprobs(ref_model, tokens)
     ref_ppl = compare(ref, ref, tokens)["ppl"]
     rows = []
-    for name, mode, head, kv in tqdm(variants, desc="eval", disable=not progress):
-        model = ref_model if mode is None else quantize_model(copy.deepcopy(ref_model), mode, head)
+    for name, mode, method, head, kv in tqdm(variants(methods), desc="eval", disable=not progress):
+        if mode is None:
+            model = ref_model
+        elif method == "rtn":
+            model = quantize_model(copy.deepcopy(ref_model), mode, head)
+        else:
+            model = quantize_calibrated(copy.deepcopy(ref_model), mode, method, calibration,
+                                        act_order and method == "gptq")
         test = ref if (mode is None and kv == "model") else teacher_forced_logprobs(model, tokens, kv)
         row = compare(ref, test, tokens)
-        row.update(weights=name, head="yes" if head else "no", kv_cache=kv, weight_bytes=weight_bytes(model),
+        row.update(weights=name, method=method + (" act-order" if act_order and method == "gptq" else ""),
+                   head="yes" if head else "no", kv_cache=kv, weight_bytes=weight_bytes(model),
                    dppl=row["ppl"] - ref_ppl, tokens=len(tokens))
         rows.append(row)
         del model
@@ -77,11 +106,74 @@ def evaluate(model_path: str, text_file: str = DATA_FILE, device: str = "cpu", p
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| weights | head quantized | KV cache | weight MB | KL(ref ‖ quant) / token | top-1 agreement | "
-             "perplexity | Δ ppl |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| weights | method | head quantized | KV cache | weight MB | KL(ref ‖ quant) / token | top-1 agreement | "
+             "perplexity | Δ ppl |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['weights']} | {r['head']} | {r['kv_cache']} | {r['weight_bytes'] / 1e6:.1f} | "
-                     f"{r['kl']:.5f} | {r['top1']:.4f} | {r['ppl']:.3f} | {r['dppl']:+.3f} |")
+        lines.append(f"| {r['weights']} | {r['method']} | {r['head']} | {r['kv_cache']} | "
+                     f"{r['weight_bytes'] / 1e6:.1f} | {r['kl']:.5f} | {r['top1']:.4f} | {r['ppl']:.3f} | "
+                     f"{r['dppl']:+.3f} |")
+    return "\n".join(lines)
+
+
+# ---- perplexity as llama.cpp's llama-perplexity computes it ----
+
+@torch.no_grad()
+def chunked_perplexity(model: nn.Module, tokens: list[int], ctx: int, bos_id: int | None) -> tuple[float, int]:
+    """(perplexity, chunks) by llama-perplexity's protocol: len(tokens) // ctx chunks of ctx tokens, the first
+    token of each replaced by BOS (bos_id None: kept), each chunk's tokens ctx/2 + 1 .. ctx - 1 scored."""
+    chunks = len(tokens) // ctx
+    if chunks < 2:
+        raise ValueError(f"--ctx {ctx}: the text has {len(tokens)} tokens, fewer than 2 x ctx (llama-perplexity's "
+                         "minimum); pass a smaller --ctx or a longer --text")
+    first, nll, count = ctx // 2, 0.0, 0
+    for c in range(chunks):
+        chunk = tokens[c * ctx:(c + 1) * ctx]
+        if bos_id is not None:
+            chunk = [bos_id] + chunk[1:]
+        logprobs = teacher_forced_logprobs(model, chunk)  # (ctx, V)
+        targets = torch.tensor(tokens[c * ctx + first + 1:(c + 1) * ctx])  # the original tokens, not the BOS
+        nll -= logprobs[first:ctx - 1].gather(1, targets[:, None].to(logprobs.device)).sum().item()
+        count += len(targets)
+    return math.exp(nll / count), chunks
+
+
+def llama_perplexity(binary: str, gguf: str, text_file: str, ctx: int) -> float:
+    """The final estimate of `binary` (llama.cpp's llama-perplexity) on the file and text at context ctx, one
+    thread (the caller pins the core)."""
+    cmd = [binary, "-m", gguf, "-f", text_file, "-c", str(ctx), "-b", str(ctx), "-t", "1"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    except OSError as e:
+        raise ValueError(f"cannot run --llama-perplexity {binary!r}: {e.strerror or e}") from None
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    if found is None:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
+        raise ValueError(f"{binary} printed no final estimate (exit {done.returncode}): {tail[0]}")
+    return float(found[1])
+
+
+def perplexity_row(model_path: str, text_file: str, ctx: int, device: str, binary: str | None) -> dict:
+    """By llama-perplexity's protocol: the model as it loads by default (a GGUF's own codes, the int4 kernels' bf16
+    activations), the same weights dequantized to float32 (float32 activations), and llama.cpp's own figure."""
+    model, path = load_model(model_path, device, torch.float32)
+    tok = load_tokenizer(path)
+    tokens, bos = load_eval_tokens(tok, text_file), tok.bos_id if tok.add_bos else None
+    ppl, chunks = chunked_perplexity(model, tokens, ctx, bos)
+    del model
+    ppl_float, _ = chunked_perplexity(load_model(path, device, torch.float32, quantize="none")[0], tokens, ctx, bos)
+    theirs = llama_perplexity(binary, path, text_file, ctx) if binary else None
+    return {"file": os.path.basename(path), "ctx": ctx, "chunks": chunks, "ppl": ppl, "ppl_float": ppl_float,
+            "llama": theirs}
+
+
+def format_perplexity(rows: list[dict]) -> str:
+    lines = ["| file | ctx | chunks | ours (as loaded) | ours (float32 dequantized) | llama-perplexity | "
+             "ours / theirs - 1 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        theirs = "-" if r["llama"] is None else f"{r['llama']:.4f}"
+        diff = "-" if r["llama"] is None else f"{100 * (r['ppl'] / r['llama'] - 1):+.2f}%"
+        lines.append(f"| {r['file']} | {r['ctx']} | {r['chunks']} | {r['ppl']:.4f} | {r['ppl_float']:.4f} | "
+                     f"{theirs} | {diff} |")
     return "\n".join(lines)
 
 
@@ -90,11 +182,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: as generate.py)")
     p.add_argument("--text", default=DATA_FILE, metavar="FILE", help="UTF-8 text to score (default: data/)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--methods", default="rtn", help=f"comma-separated, of {', '.join(METHODS)} (default rtn)")
+    p.add_argument("--act-order", action="store_true", help="gptq rows with act-order")
+    p.add_argument("--calibration", default=CALIBRATION_FILE, metavar="FILE",
+                   help="calibration text for gptq/awq (default: data/calibration.txt; keep it apart from --text)")
+    p.add_argument("--calibration-tokens", type=int, default=None, metavar="N", help="its first N tokens (all)")
+    p.add_argument("--ctx", type=int, default=None, help="instead: the perplexity of the model as it loads, by "
+                   "llama-perplexity's protocol with this context")
+    p.add_argument("--llama-perplexity", default=None, metavar="BIN", help="with --ctx: llama.cpp's tool to run too")
     return p.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> None:
-    print(format_table(evaluate(args.model or default_model(), args.text, args.device, sys.stderr.isatty())))
+    model = args.model or default_model()
+    if args.ctx is not None:
+        if args.ctx < 4:
+            raise ValueError(f"--ctx {args.ctx}: must be at least 4")
+        print(format_perplexity([perplexity_row(model, args.text, args.ctx, args.device, args.llama_perplexity)]))
+        return
+    methods = tuple(m.strip() for m in args.methods.split(","))
+    if not methods or set(methods) - set(METHODS):
+        raise ValueError(f"--methods {args.methods!r}: allowed {', '.join(METHODS)}, comma-separated")
+    calibration = None
+    if set(methods) - {"rtn"}:
+        if os.path.abspath(args.calibration) == os.path.abspath(args.text):
+            raise ValueError(f"--calibration {args.calibration!r} is the --text: calibrate on other text")
+        tokens = load_eval_tokens(load_tokenizer(resolve_model_path(model)), args.calibration,
+                                  flag="--calibration")
+        calibration = tokens[:args.calibration_tokens] if args.calibration_tokens else tokens
+    print(format_table(evaluate(model, args.text, args.device, sys.stderr.isatty(), methods, calibration,
+                                args.act_order)))
 
 
 def main(argv: list[str] | None = None) -> int:

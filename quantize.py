@@ -189,11 +189,14 @@ class Int4Linear(Parts, nn.Module):
 
     `weight` holds the (N, K/2) bytes in the layout of the kernel the device uses (see int4_kernel); the state
     dict always has the plain pack_int4 layout, so checkpoints do not depend on the machine that wrote them.
-    A part (model.Parts) is stored as an Int4Linear of its own shape stores it: padded to 16 rows."""
+    A part (model.Parts) is stored as an Int4Linear of its own shape stores it: padded to 16 rows.
+    act_order: column i of the codes is input in_perm[i] (GPTQ's act-order groups made contiguous at load); the
+    kernel path gathers x's columns once per call, the reference path puts the weight's columns back."""
     ROW_DIMS = {"scales_and_zeros": 1}  # (K/G, N, 2)
 
     def __init__(self, in_features: int, out_features: int, group_size: int, device=None,
-                 parts: dict[str, int] | None = None, bias: bool = False, dtype: torch.dtype = torch.float32):
+                 parts: dict[str, int] | None = None, bias: bool = False, dtype: torch.dtype = torch.float32,
+                 act_order: bool = False):
         super().__init__()
         if group_size not in GROUP_SIZES:
             raise ValueError(f"int4 group size {group_size} is not supported; allowed: {GROUP_SIZES}")
@@ -207,47 +210,61 @@ class Int4Linear(Parts, nn.Module):
                                                              dtype=KERNEL_DTYPE, device=device))
         self.bias = float_bias(out_features, dtype, device) if bias else None  # (N,), not padded
         self.register_buffer("kernel_scales", None, persistent=False)  # the words layout's (gemv.half_group_scales)
+        # (K,), given with the codes (a meta placeholder until then: the first part to come sets it); None: no order
+        self.register_buffer("in_perm", torch.empty(in_features, dtype=torch.int64, device="meta") if act_order else None)
 
     def quantize_weight(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """The plain buffers (weight, scales_and_zeros) for float weight w (N, K): this module's, or one part's
         (N its rows)."""
         N, K = w.shape
         assert K == self.in_features and N in self.row_counts(), f"{tuple(w.shape)} vs {self}"
+        assert self.in_perm is None, "an act-order module takes codes (buffers_for_codes), not a float weight"
         if (round_up(N, N_MULTIPLE), self.in_padded) != (N, K):  # F.pad copies even when it adds nothing
             w = F.pad(w, (0, self.in_padded - K, 0, round_up(N, N_MULTIPLE) - N))
         blocks = [quantize_int4(b, self.group_size, KERNEL_DTYPE) for b in w.split(ROW_BLOCK)]  # bounded temporaries
         return {"weight": torch.cat([pack_int4(c) for c, _ in blocks]),
                 "scales_and_zeros": torch.cat([sz for _, sz in blocks], dim=1)}
 
-    def buffers_for_codes(self, codes: torch.Tensor, scales: torch.Tensor,
-                          zeros: torch.Tensor) -> dict[str, torch.Tensor]:
+    def buffers_for_codes(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                          perm: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The plain buffers for codes (N, K) in [0, 15] with a scale and zero (N, K/G) per group, taken as they
-        are (a GGUF file's Q4_0/Q4_1 blocks): no rounding of the weights, only of scale and zero to bf16. N: this
-        module's rows, or one part's."""
-        N, K = codes.shape
-        assert K == self.in_features and N in self.row_counts() and scales.shape == (N, K // self.group_size)
-        pad_n, pad_groups = round_up(N, N_MULTIPLE) - N, (self.in_padded - K) // self.group_size
+        are (a GGUF file's Q4_0/Q4_1 blocks, GPTQ's): no rounding of the weights, only of scale and zero to bf16.
+        N: this module's rows, or one part's. perm (K,): the input of each code column (act_order modules)."""
+        assert (perm is None) == (self.in_perm is None), "perm goes with an act_order module"
+        N, K = codes.shape  # scales (N, K/G rounded up): a last group padded with zero inputs may be partly real
+        assert K == self.in_features and N in self.row_counts() and scales.shape == (N, -(-K // self.group_size))
+        pad_n, pad_groups = round_up(N, N_MULTIPLE) - N, self.in_padded // self.group_size - scales.shape[1]
         codes = F.pad(codes, (0, self.in_padded - K, 0, pad_n), value=8)  # padding: scale 0, zero 0, so 0
         scales, zeros = (F.pad(t, (0, pad_groups, 0, pad_n)) for t in (scales, zeros))
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).to(KERNEL_DTYPE).contiguous()
-        return {"weight": pack_int4(codes.to(torch.uint8)), "scales_and_zeros": scales_and_zeros}  # (K/G, N, 2)
+        out = {"weight": pack_int4(codes.to(torch.uint8)), "scales_and_zeros": scales_and_zeros}  # (K/G, N, 2)
+        return out if perm is None else {**out, "in_perm": perm.to(torch.int64)}
 
     def load_part(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
         """As Parts.load_part, into the plain layout (pack_for_kernel follows); scales and zeros bf16 always (a
         loader may have cast them to the model dtype)."""
         assert self.kernel is None, "parts load into the plain layout; pack_for_kernel follows"
+        tensors = dict(tensors)
+        perm = tensors.pop("in_perm", None)
+        if perm is not None:  # one input order for every part (they share their input): the first sets it
+            if self.parts is not None and not self.in_perm.is_meta and not torch.equal(perm, self.in_perm.cpu()):
+                raise ValueError(f"the parts of a fused linear ({', '.join(self.parts)}) have different "
+                                 "act-order input orders (g_idx), so they cannot share one input permutation")
+            self.in_perm = perm
         super().load_part(i, {k: t.to(KERNEL_DTYPE) if k == "scales_and_zeros" else t for k, t in tensors.items()})
 
     def parts_state(self) -> list[dict[str, torch.Tensor]]:
-        parts = super().parts_state()
         if self.parts is None:
-            return parts
+            return super().parts_state()
+        state = self.state_dict()
+        perm = state.pop("in_perm", None)  # every part's input order: not split by rows
         out = []
-        for i, state in enumerate(parts):  # each as an Int4Linear of the part's own shape stores it: 16-row blocks
-            pad = -self.part_rows(i)[1] % N_MULTIPLE
+        for i in range(len(self.parts)):  # each as an Int4Linear of the part's own shape stores it: 16-row blocks
+            start, n = self.part_rows(i)
+            rows = {k: t.narrow(self.ROW_DIMS.get(k, 0), start, n) for k, t in state.items()}
             out.append({k: t if k == "bias" else
-                        F.pad(t, [0, 0] * (t.dim() - 1 - self.ROW_DIMS.get(k, 0)) + [0, pad]).contiguous()
-                        for k, t in state.items()})
+                        F.pad(t, [0, 0] * (t.dim() - 1 - self.ROW_DIMS.get(k, 0)) + [0, -n % N_MULTIPLE]).contiguous()
+                        for k, t in rows.items()} | ({} if perm is None else {"in_perm": perm.clone()}))
         return out
 
     def pack_for_kernel(self, kernel: str | None = None) -> None:
@@ -283,7 +300,8 @@ class Int4Linear(Parts, nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The (N, K) float32 weight this module multiplies by: the reference path."""
-        return dequantize_int4(self.codes(), self.scales_and_zeros)[:self.out_features, :self.in_features]
+        w = dequantize_int4(self.codes(), self.scales_and_zeros)[:self.out_features, :self.in_features]
+        return w if self.in_perm is None else unpermute_columns(w, self.in_perm)
 
     def _kernel_mm(self, x2: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
         # tinygemm (CUDA) takes bf16 only, the CPU kernel is fast in bf16 only: cast around them. A bf16 decode
@@ -297,19 +315,22 @@ class Int4Linear(Parts, nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if self.kernel is None:
             y = F.linear(x2, self.dequantize().to(x.dtype))  # (M, N)
-        elif self.kernel == "words" and x2.shape[0] > DECODE_QUERIES:  # prefill: float32 matmul, compute-bound
-            w = gemv.run(gemv.dequantize, self.weight, self.kernel_scales)[:self.out_features]  # (N, K padded)
-            y = F.linear(pad_columns(x2, self.in_padded), w.to(x.dtype))
-        elif self.kernel == "words":  # decode steps, verifies: row by row, so each row's bits are a one-row step's
-            rows = pad_columns(x2, self.in_padded)  # (M, K padded)
-            y = torch.stack([gemv.run(gemv.gemv, row, self.weight, self.kernel_scales) for row in rows])
-            y = y[:, :self.out_features].to(x.dtype)
         else:
-            y = self._kernel_mm(pad_columns(x2, self.in_padded), self.scales_and_zeros)  # (M, N padded)
+            x2 = x2 if self.in_perm is None else x2.index_select(1, self.in_perm)  # (M, K) in the codes' order
+            y = self._kernel_forward(pad_columns(x2, self.in_padded))  # (M, N padded)
             if self.out_padded != self.out_features:
                 y = y[:, :self.out_features]  # (M, N)
         y = y if self.bias is None else y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
+
+    def _kernel_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 (M, K padded) -> (M, N padded) through this layout's kernel."""
+        if self.kernel != "words":
+            return self._kernel_mm(x2, self.scales_and_zeros)
+        if x2.shape[0] > DECODE_QUERIES:  # prefill: a float32 matmul, compute-bound
+            return F.linear(x2, gemv.run(gemv.dequantize, self.weight, self.kernel_scales).to(x2.dtype))
+        # decode steps and verifies row by row, so that each row's bits are a one-row step's
+        return torch.stack([gemv.run(gemv.gemv, row, self.weight, self.kernel_scales) for row in x2]).to(x2.dtype)
 
     def repack(self, kernel: str | None) -> None:
         """The same codes in another kernel's layout (None: the plain one)."""
@@ -321,6 +342,8 @@ class Int4Linear(Parts, nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.weight if self.kernel is None else pack_int4(self.codes())
         destination[prefix + "scales_and_zeros"] = self.scales_and_zeros
+        if self.in_perm is not None:
+            destination[prefix + "in_perm"] = self.in_perm
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias
 
@@ -380,20 +403,30 @@ class Int8GroupLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size=32"
 
 
+def unpermute_columns(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """w (N, K) whose column i is input perm[i] -> the (N, K) weight in input order."""
+    out = torch.empty_like(w)
+    out[:, perm] = w
+    return out
+
+
 def float_bias(n: int, dtype: torch.dtype, device) -> nn.Parameter:
     """A quantized linear's bias (Qwen2's q/k/v): kept in model precision, added after the product."""
     return nn.Parameter(torch.zeros(n, dtype=dtype, device=device), requires_grad=False)
 
 
-def make_quantized_linear(kind: str, group: int | None, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
-    """An empty Int8Linear / Int4Linear shaped like `linear` (its bias too), on its device (meta included)."""
+def make_quantized_linear(kind: str, group: int | None, linear: nn.Linear, dtype: torch.dtype,
+                          act_order: bool = False) -> nn.Module:
+    """An empty Int8Linear / Int4Linear shaped like `linear` (its bias too, an input order with act_order), on its
+    device (meta included)."""
     device, parts, bias = linear.weight.device, getattr(linear, "parts", None), linear.bias is not None
     if kind == "int8":
         return Int8Linear(linear.in_features, linear.out_features, dtype, device, parts, bias)
-    return Int4Linear(linear.in_features, linear.out_features, group, device, parts, bias, dtype)
+    return Int4Linear(linear.in_features, linear.out_features, group, device, parts, bias, dtype, act_order)
 
 
-def swap_linears(model: nn.Module, mode: str, quantize_head: bool = False) -> dict[str, nn.Module]:
+def swap_linears(model: nn.Module, mode: str, quantize_head: bool = False,
+                 act_order: bool = False) -> dict[str, nn.Module]:
     """Replace nn.Linear modules (in the blocks; the LM head too with quantize_head) by empty quantized
     ones; returns {name: new module}. The weights are filled by the caller (quantize_model, load.py)."""
     kind, group = parse_mode(mode)
@@ -401,7 +434,7 @@ def swap_linears(model: nn.Module, mode: str, quantize_head: bool = False) -> di
     swapped = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and (name != "lm_head" or quantize_head):
-            swapped[name] = make_quantized_linear(kind, group, module, dtype)
+            swapped[name] = make_quantized_linear(kind, group, module, dtype, act_order)
             model.set_submodule(name, swapped[name])
     return swapped
 
@@ -448,18 +481,21 @@ def dequantize_state(module: nn.Module, state: dict[str, torch.Tensor], prefix: 
         w = dequantize_int8(state[prefix + "weight"], state[prefix + "scales"])
     else:
         w = dequantize_int4(unpack_int4(state[prefix + "weight"]), state[prefix + "scales_and_zeros"])
-    return w[:module.out_features, :module.in_features]
+    w = w[:module.out_features, :module.in_features]
+    return w if prefix + "in_perm" not in state else unpermute_columns(w, state[prefix + "in_perm"])
 
 
 def quantization_of(model: nn.Module) -> dict[str, str] | None:
-    """{'quantization': 'int8' | 'int4', 'group_size': ..., 'quantize_head': 'true' | 'false'} as stored in
-    a checkpoint's safetensors metadata, read off the model's modules; None for a float model."""
+    """{'quantization': 'int8' | 'int4', 'group_size': ..., 'quantize_head': 'true' | 'false'} (and 'act_order':
+    'true' for act-order int4) as stored in a checkpoint's safetensors metadata, read off the model's modules; None
+    for a float model."""
     block = model.layers[0].self_attn.o_proj  # every model has one (a Mixtral block has no dense MLP)
     if isinstance(block, nn.Linear):
         return None
     group = str(block.group_size) if isinstance(block, Int4Linear) else ""
-    return {"quantization": "int8" if isinstance(block, Int8Linear) else "int4", "group_size": group,
+    meta = {"quantization": "int8" if isinstance(block, Int8Linear) else "int4", "group_size": group,
             "quantize_head": "true" if head_is_quantized(model) else "false"}
+    return meta if getattr(block, "in_perm", None) is None else {**meta, "act_order": "true"}
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -95,3 +95,18 @@ def test_model_decodes_in_words_layout_as_in_plain_layout():
             out.append(model(tokens[:, :1] + pos, torch.tensor([pos]), cache)[:, -1])
         logits[layout] = torch.stack(out)
     torch.testing.assert_close(logits["words"], logits[None], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_act_order_module_in_words_layout_matches_reference(rows):
+    """A GPTQ act-order module (its codes' columns in in_perm's input order) gathers x the same way in the words
+    layout as in torch's kernel: outputs equal F.linear with dequantize()."""
+    torch.manual_seed(0)
+    n, k = 48, 128
+    module = q.Int4Linear(k, n, 32, act_order=True)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales, zeros = torch.rand(n, k // 32) * 0.1, torch.randn(n, k // 32) * 0.1
+    module.load_state_dict(module.buffers_for_codes(codes, scales, zeros, torch.randperm(k)), assign=True)
+    module.repack("words")
+    x = torch.randn(rows, k)
+    torch.testing.assert_close(module(x), F.linear(x, module.dequantize()), rtol=1e-5, atol=1e-5)

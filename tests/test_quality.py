@@ -42,8 +42,9 @@ def test_cli_scores_any_text_and_prints_the_table(tiny_text_dir, tmp_path, capsy
                     "must be in want of a wife.\n")
     assert quality.main(["--model", tiny_text_dir, "--text", str(text)]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0].startswith("| weights | head quantized | KV cache | weight MB |") and out[1].startswith("|---")
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out[2:]]
+    assert out[0].startswith("| weights | method | head quantized | KV cache | weight MB |") and out[1].startswith("|---")
+    rows = [[cell.strip() for cell in line.strip("|").split("|")][:1] + [cell.strip() for cell in
+            line.strip("|").split("|")][2:] for line in out[2:]]  # the method column (rtn here) left out
     assert [(r[0], r[1], r[2]) for r in rows] == [
         ("float32", "no", "model"), ("float32", "no", "int8"),
         *[(mode, head, "model") for mode in ("int8", "int4:32", "int4:64", "int4:128") for head in ("no", "yes")]]
@@ -51,6 +52,49 @@ def test_cli_scores_any_text_and_prints_the_table(tiny_text_dir, tmp_path, capsy
     assert float(reference[4]) == 0 and float(reference[5]) == 1 and reference[7] in ("+0.000", "-0.000")
     assert all(math.isfinite(float(r[6])) and float(r[6]) > 1 for r in rows)  # a perplexity for every variant
     assert float(rows[2][3]) < float(reference[3])  # int8 weights take fewer bytes
+
+
+def test_cli_rows_per_method(tiny_text_dir, tmp_path, capsys):
+    """--methods adds a row per int4 mode for each calibrated method (calibrated on data/calibration.txt)."""
+    text = tmp_path / "eval.txt"
+    text.write_text("Mr. Bennet was so odd a mixture of quick parts, sarcastic humour, reserve, and caprice.\n" * 3)
+    assert quality.main(["--model", tiny_text_dir, "--text", str(text), "--methods", "gptq,awq", "--act-order",
+                         "--calibration-tokens", "600"]) == 0
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[0], r[1]) for r in rows] == [("float32", "-"), ("float32", "-"), *[
+        (mode, method) for mode in ("int4:32", "int4:64", "int4:128") for method in ("gptq act-order", "awq")]]
+    assert all(math.isfinite(float(r[7])) for r in rows)
+
+
+def test_cli_refuses_calibrating_on_the_evaluation_text(tiny_text_dir, cli_error):
+    err = cli_error(quality.main, ["--model", tiny_text_dir, "--methods", "gptq", "--calibration", quality.DATA_FILE])
+    assert "is the --text: calibrate on other text" in err
+    assert "allowed rtn, gptq, awq" in cli_error(quality.main, ["--model", tiny_text_dir, "--methods", "gptq,best"])
+
+
+def test_chunked_perplexity_is_llama_perplexity_protocol(tiny):
+    """Chunks of ctx tokens, the first token of each BOS, only the second half of each scored: written out here."""
+    tokens = torch.randint(2, 160, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    ppl, chunks = quality.chunked_perplexity(tiny, tokens, 16, bos_id=1)
+    assert chunks == 4  # the last 6 tokens are not used
+    nll = []
+    for c in range(4):
+        chunk = [1] + tokens[c * 16 + 1:(c + 1) * 16]
+        logp = torch.log_softmax(tiny(torch.tensor([chunk]), torch.arange(16), all_logits=True)[0], -1)
+        nll += [-logp[p, tokens[c * 16 + p + 1]].item() for p in range(8, 15)]
+    assert ppl == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
+    with pytest.raises(ValueError, match="fewer than 2 x ctx"):
+        quality.chunked_perplexity(tiny, tokens, 40, None)
+
+
+def test_cli_perplexity_table(tiny_text_dir, tmp_path, capsys):
+    text = tmp_path / "eval.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune.\n")
+    assert quality.main(["--model", tiny_text_dir, "--text", str(text), "--ctx", "32"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| file | ctx | chunks | ours (as loaded) |")
+    cells = [c.strip() for c in out[2].strip("|").split("|")]
+    assert cells[1:3] == ["32", "2"] and cells[3] == cells[4] and cells[5] == "-"  # a float model: the same
 
 
 def test_cli_missing_text_file_is_one_error_line(tiny_text_dir, tmp_path, cli_error):

@@ -1,0 +1,275 @@
+"""Int4 quantization that uses calibration activations: GPTQ and AWQ, into quantize.py's Int4Linear (the same grid as
+round-to-nearest, w = (q - 8) * scale + zero per group of G inputs, bf16 scale and zero).
+
+Shape legend: N out_features, K in_features (padded to a multiple of G), G group size, B GPTQ's block of columns,
+M calibration rows (tokens), C model width, F one MLP's width.
+- GPTQ (Frantar et al. 2022): each linear's columns are rounded one at a time and the error of each is spread over
+  the columns not yet rounded, weighted by the inverse Hessian H = X^T X of the linear's inputs (damped), so the
+  output error on the calibration inputs shrinks. Updates are applied B columns at a time (the same result as column
+  by column, faster); act-order rounds the columns of largest H diagonal first (Int4Linear.in_perm keeps the order).
+- AWQ (Lin et al. 2023): the inputs of a linear are scaled per channel by s = mean|x|^alpha (alpha searched on a
+  grid) before round-to-nearest, so salient channels lose less; x / s is folded into what produces x (a norm's
+  weight, the up projection's rows, v's rows), so the float model computes the same function before rounding.
+Both choose each group's scale and zero from its min and max shrunk by the factor of CLIP that minimizes the rounding
+error weighted by H's diagonal (round-to-nearest's plain min/max lets one outlier coarsen the whole group's steps).
+The blocks are calibrated in turn: the inputs of block i are the outputs of the already quantized blocks before it,
+so the memory is one block's activations for the calibration tokens (and one H per linear).
+"""
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from quantize import KERNEL_DTYPE, dequantize_int4, make_quantized_linear, parse_mode, quantization_of, quantize_int4
+
+METHODS = ("rtn", "gptq", "awq")
+DAMP = 0.01  # GPTQ's damping: this fraction of H's mean diagonal added to it (the paper's default)
+BLOCK = 128  # GPTQ's columns per lazy batch update
+CLIP = tuple(1 - i / 40 for i in range(12))  # the range shrink factors a calibrated group's scale is chosen from
+AWQ_GRID = 20  # alphas 0, 1/20, ..., 19/20 (AutoAWQ's grid)
+SEQ_LEN = 512  # calibration tokens per sequence
+# Public-domain and project-written text, disjoint from quality.py's evaluation text: Genesis 1:1-19 (King James
+# Version), the Gettysburg Address, and short stories and prose written for this project.
+CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "calibration.txt")
+
+
+# ---- GPTQ ----
+
+def int4_params(wg: torch.Tensor, h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """wg (N, G) -> scale, zero (N,) rounded to bf16: from the group's min and max (quantize.quantize_int4's), or
+    with input weights h (G,) from min and max shrunk by the CLIP factor that minimizes sum h (w - q(w))^2 per row
+    (an outlier's rounding error then costs less than coarser steps for the rest)."""
+    lo, hi = wg.amin(dim=1), wg.amax(dim=1)
+    best = None
+    for p in (1.0,) if h is None else CLIP:
+        scale = ((p * (hi - lo)).clamp(min=1e-6) / 15).to(KERNEL_DTYPE).to(wg.dtype)
+        zero = (p * lo + 8 * scale).to(KERNEL_DTYPE).to(wg.dtype)
+        if h is None:
+            return scale, zero
+        _, wq = round_column(wg, scale[:, None], zero[:, None])
+        err = ((wq - wg) ** 2 * h).sum(dim=1)  # (N,)
+        if best is None:
+            best = [err, scale, zero]
+        else:
+            better = err < best[0]
+            for kept, new in zip(best, (err, scale, zero)):
+                kept[better] = new[better]
+    return best[1], best[2]
+
+
+def round_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N,) -> codes in [0, 15] and the weights they stand for."""
+    q = torch.round((w - zero) / scale + 8).clamp(0, 15)
+    return q, (q - 8) * scale + zero
+
+
+def gptq_order(H: torch.Tensor, act_order: bool) -> torch.Tensor | None:
+    """Act-order: columns by decreasing H diagonal; dead columns (zero input: K's padding) last, in order."""
+    if not act_order:
+        return None
+    d = H.diagonal()
+    return torch.sort(torch.where(d > 0, d, -1.0), descending=True, stable=True).indices
+
+
+def inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """The upper Cholesky factor U of (H + damp * mean diag)^-1 (= U^T U): row i holds the OBS update of the
+    columns after i once columns < i are fixed, U[i, i] its scale."""
+    H = H.clone()
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1  # an input that is always zero: its weight is set to 0 and its row decouples
+    H.diagonal().add_(damp * H.diagonal().mean())
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+
+def gptq_solve(w: torch.Tensor, H: torch.Tensor, group: int, damp: float = DAMP, block: int = BLOCK,
+               act_order: bool = False, clip: bool = True):
+    """GPTQ of w (N, K) with inputs' H (K, K), K a multiple of G -> codes (N, K) uint8, scales and zeros (N, K/G)
+    in code order, and the order (K,) (None without act_order): code column i is input perm[i]. A group's scale and
+    zero come from its weights as updated when its first column is reached; blocks hold whole groups."""
+    perm = gptq_order(H, act_order)
+    W = (w if perm is None else w[:, perm]).clone()
+    H = H if perm is None else H[perm][:, perm]
+    W[:, H.diagonal() == 0] = 0
+    U = inverse_hessian_factor(H, damp)
+    h = H.diagonal()  # each input's weight in the output error, for the groups' clip search
+    N, K = W.shape
+    codes = torch.empty(N, K, dtype=torch.uint8, device=w.device)
+    scales, zeros = (torch.empty(N, K // group, dtype=w.dtype, device=w.device) for _ in range(2))
+    block = max(block // group, 1) * group
+    for i1 in range(0, K, block):
+        i2 = min(i1 + block, K)
+        W1, U1 = W[:, i1:i2], U[i1:i2, i1:i2]  # (N, B), (B, B); W1 is updated in place
+        errors = torch.empty_like(W1)  # (N, B): each column's scaled rounding error
+        for i in range(i2 - i1):
+            if (i1 + i) % group == 0:
+                scale, zero = int4_params(W1[:, i:i + group], h[i1 + i:i1 + i + group] if clip else None)
+                scales[:, (i1 + i) // group], zeros[:, (i1 + i) // group] = scale, zero
+            q, wq = round_column(W1[:, i], scale, zero)
+            codes[:, i1 + i] = q.to(torch.uint8)
+            errors[:, i] = (W1[:, i] - wq) / U1[i, i]
+            W1[:, i + 1:] -= errors[:, i:i + 1] * U1[i:i + 1, i + 1:]  # within the block, column by column
+        W[:, i2:] -= errors @ U[i1:i2, i2:]  # the block's effect on every later column at once
+    return codes, scales, zeros, perm
+
+
+# ---- AWQ ----
+
+def rtn_weight(w: torch.Tensor, group: int) -> torch.Tensor:
+    """w (N, K) after round-to-nearest int4 (K zero-padded to a multiple of G, as Int4Linear pads it)."""
+    K = w.shape[1]
+    padded = F.pad(w.float(), (0, -K % group))
+    return dequantize_int4(*quantize_int4(padded, group, KERNEL_DTYPE))[:, :K]
+
+
+def awq_scale(w: torch.Tensor, H: torch.Tensor, x_mean: torch.Tensor, group: int) -> torch.Tensor:
+    """AWQ's per-input scale s (K,) for weight w (N, K) whose inputs have H = X^T X and mean |x| x_mean (K,): the
+    alpha on AWQ_GRID whose s = x_mean^alpha (normalized) minimizes the output error on the calibration inputs,
+    trace((Q(w s) / s - w) H (Q(w s) / s - w)^T)."""
+    best, best_s = None, torch.ones_like(x_mean)
+    for alpha in (i / AWQ_GRID for i in range(AWQ_GRID)):
+        s = x_mean.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        d = rtn_weight(w * s, group) / s - w  # (N, K)
+        loss = ((d @ H) * d).sum().item()
+        if best is None or loss < best:
+            best, best_s = loss, s
+    return best_s
+
+
+def scale_norm(norm: nn.Module, s: torch.Tensor) -> None:
+    """Divide an RMSNorm's output by s (C,): its weight (Gemma's stores w - 1)."""
+    w = norm.weight.float()
+    w = (1 + w) / s - 1 if norm.plus_one else w / s
+    norm.weight.data = w.to(norm.weight.dtype)
+
+
+def awq_fold(block: nn.Module, stats: dict, group: int) -> dict[nn.Module, torch.Tensor]:
+    """Search and fold AWQ's scales into a block's float weights, the function unchanged: x / s into the norm (or the
+    rows) that produce each linear's input, w * s into the linear's columns."""
+    attn, mlp = block.self_attn, block.mlp
+    ffn_norm = block.pre_feedforward_layernorm if block.sandwich else block.post_attention_layernorm
+    targets = [(attn.qkv_proj, lambda s: scale_norm(block.input_layernorm, s)),
+               (mlp.gate_up_proj, lambda s: scale_norm(ffn_norm, s)),
+               (mlp.down_proj, lambda s: scale_rows(mlp.gate_up_proj, mlp.down_proj.in_features, s))]
+    if attn.n_heads == attn.n_kv_heads:  # o_proj's inputs are v's outputs only without GQA (else a v row feeds H/K)
+        targets.append((attn.o_proj, lambda s: scale_rows(attn.qkv_proj, (attn.n_heads + attn.n_kv_heads) *
+                                                          attn.head_dim, s)))
+    scales = [(linear, fold, awq_scale(linear.weight.float(), *stats[linear], group)) for linear, fold in targets]
+    for linear, fold, s in scales:  # searched on the block as it was, then folded
+        fold(s)
+        linear.weight.data = (linear.weight.float() * s).to(linear.weight.dtype)
+    return {linear: s for linear, _, s in scales}
+
+
+def scale_rows(linear: nn.Module, first: int, s: torch.Tensor) -> None:
+    """Divide a linear's output rows from `first` on (up in gate | up, v in q | k | v), and their bias, by s."""
+    linear.weight.data[first:] = (linear.weight[first:].float() / s[:, None]).to(linear.weight.dtype)
+    if linear.bias is not None:
+        linear.bias.data[first:] = (linear.bias[first:].float() / s).to(linear.bias.dtype)
+
+
+# ---- the model, block by block ----
+
+def calibration_sequences(tokens: list[int], max_tokens: int | None, seq_len: int) -> list[list[int]]:
+    """The first max_tokens of a text's tokens (all: None) in sequences of seq_len (the last one shorter)."""
+    tokens = tokens[:max_tokens] if max_tokens else tokens
+    return [tokens[i:i + seq_len] for i in range(0, len(tokens), seq_len) if len(tokens[i:i + seq_len]) > 1]
+
+
+def fill_int4(q: nn.Module, linear: nn.Module, codes, scales, zeros, perm) -> nn.Module:
+    """Int4Linear q given codes (N, K) (in code order: column i is input perm[i]) with scales and zeros (N, K/G),
+    part by part as loading fills it, the linear's bias beside them; packed for its kernel."""
+    K = linear.in_features
+    perm = None if perm is None else perm[:K]
+    assert perm is None or torch.equal(perm.sort().values, torch.arange(K, device=perm.device)), "padding last"
+    for i in range(len(q.parts or [None])):
+        start, n = q.part_rows(i)
+        rows = slice(start, start + n)
+        q.load_part(i, q.buffers_for_codes(codes[rows, :K], scales[rows], zeros[rows], perm))
+        if linear.bias is not None:
+            q.load_part(i, {"bias": linear.bias[rows]})
+    q.pack_for_kernel()
+    return q
+
+
+def gptq_linear(linear: nn.Module, H: torch.Tensor, group: int, act_order: bool, dtype: torch.dtype) -> nn.Module:
+    """The Int4Linear GPTQ makes of a float linear whose inputs have H (K, K)."""
+    q = make_quantized_linear("int4", group, linear, dtype, act_order)
+    pad = q.in_padded - linear.in_features  # zero columns with zero inputs: dead, rounded last
+    w = F.pad(linear.weight.float(), (0, pad))
+    codes, scales, zeros, perm = gptq_solve(w, F.pad(H, (0, pad, 0, pad)), group, act_order=act_order)
+    return fill_int4(q, linear, codes, scales, zeros, perm)
+
+
+def clipped_linear(linear: nn.Module, h: torch.Tensor, group: int, dtype: torch.dtype) -> nn.Module:
+    """The Int4Linear of a float linear rounded to nearest with each group's range clipped (int4_params with the
+    inputs' weights h (K,))."""
+    q = make_quantized_linear("int4", group, linear, dtype)
+    pad = q.in_padded - linear.in_features
+    w, h = F.pad(linear.weight.float(), (0, pad)), F.pad(h, (0, pad))
+    params = [int4_params(w[:, g:g + group], h[g:g + group]) for g in range(0, w.shape[1], group)]
+    scales, zeros = (torch.stack(p, dim=1) for p in zip(*params))  # (N, K/G) each
+    s, z = (t.repeat_interleave(group, dim=1) for t in (scales, zeros))  # (N, K)
+    codes, _ = round_column(w, s, z)
+    return fill_int4(q, linear, codes.to(torch.uint8), scales, zeros, None)
+
+
+def input_stats(block: nn.Module, linears: list[nn.Module], states: list) -> dict:
+    """{linear: (H = X^T X (K, K), mean |x| (K,))} of each linear's inputs over the calibration states (float32)."""
+    sums = {m: [torch.zeros(m.in_features, m.in_features), torch.zeros(m.in_features), 0] for m in linears}
+
+    def hook(module, inputs, output):
+        x = inputs[0].reshape(-1, module.in_features).float()  # (M, K)
+        acc = sums[module]
+        acc[0].addmm_(x.t(), x)
+        acc[1] += x.abs().sum(0)
+        acc[2] += x.shape[0]
+
+    handles = [m.register_forward_hook(hook) for m in linears]
+    try:
+        for state in states:
+            block(*state, None)
+    finally:
+        for h in handles:
+            h.remove()
+    return {m: (H, total / n) for m, (H, total, n) in sums.items()}
+
+
+@torch.no_grad()
+def quantize_calibrated(model: nn.Module, mode: str, method: str, sequences: list[list[int]],
+                        act_order: bool = False, progress: bool = False) -> nn.Module:
+    """Quantize a float model's block linears to int4 in place with GPTQ or AWQ from calibration token sequences,
+    block by block (each block calibrated on the outputs of the quantized blocks before it)."""
+    kind, group = parse_mode(mode)
+    if kind != "int4" or method not in ("gptq", "awq"):
+        raise ValueError(f"--method {method} with --mode {mode}: GPTQ and AWQ make int4:G (rtn: any mode)")
+    if act_order and method != "gptq":
+        raise ValueError("--act-order is GPTQ's; drop it for --method awq")
+    if model.args.n_experts is not None:
+        raise ValueError(f"--method {method}: Mixtral's experts are not supported (a router shares their input); "
+                         "use --method rtn")
+    if quantization_of(model) is not None:
+        raise ValueError("the model is quantized already; quantize from its float weights")
+    dtype = model.norm.weight.dtype
+    device = model.embed_tokens.weight.device
+    states = []  # per sequence: (x, input_pos, cos, sin, mask), what a block takes
+    for seq in sequences:
+        pos = torch.arange(len(seq), device=device)
+        x, cos, sin, mask = model.inputs(torch.tensor([seq], device=device), pos, None)  # x (1, T, C)
+        states.append((x, pos, cos, sin, mask))
+    for block in tqdm(model.layers, desc=method, unit="layer", disable=not progress):
+        linears = {name: m for name, m in block.named_modules() if isinstance(m, nn.Linear)}
+        stats = input_stats(block, list(linears.values()), states)
+        scales = awq_fold(block, stats, group) if method == "awq" else {}
+        for name, m in linears.items():
+            if method == "gptq":
+                q = gptq_linear(m, stats[m][0], group, act_order, dtype)
+            else:  # the inputs are x / s now
+                h = stats[m][0].diagonal() / (scales[m] ** 2 if m in scales else 1)
+                q = clipped_linear(m, h, group, dtype)
+            block.set_submodule(name, q)
+        del stats
+        states = [(block(*state, None), *state[1:]) for state in states]
+    return model

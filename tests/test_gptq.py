@@ -1,0 +1,190 @@
+"""gptq.py: GPTQ's blocked solve against a direct column-by-column OBS reference and against round-to-nearest on the
+calibration inputs; AWQ's folded scales leave the float model's function unchanged; act-order checkpoints reload
+exactly."""
+import copy
+
+import pytest
+import torch
+
+from gptq import awq_fold, awq_scale, gptq_solve, input_stats, int4_params, quantize_calibrated, round_column, rtn_weight
+from load import load_model
+from quantize import Int4Linear, dequantize_int4, unpermute_columns
+
+
+def layer(n=24, k=128, m=400, seed=0, dtype=torch.float64):
+    """A random linear (N, K) and calibration inputs (M, K) with correlated channels of varied size, as a model's."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) @ (torch.eye(k) + torch.randn(k, k, generator=gen) / k ** 0.5)
+    x = x * torch.exp(torch.randn(k, generator=gen))  # a few large channels
+    return torch.randn(n, k, generator=gen).to(dtype), x.to(dtype)
+
+
+def gptq_reference(w, H, group, damp=0.01):
+    """GPTQ written directly: round column i, then the OBS update of every later column with the inverse Hessian
+    of the columns still free, which then loses column i (no Cholesky, no blocks)."""
+    W = w.clone()
+    Hinv = torch.linalg.inv(H + damp * H.diagonal().mean() * torch.eye(H.shape[0], dtype=H.dtype))
+    codes = torch.empty(W.shape, dtype=torch.uint8)
+    for i in range(W.shape[1]):
+        if i % group == 0:
+            scale, zero = int4_params(W[:, i:i + group], H.diagonal()[i:i + group])
+        q, wq = round_column(W[:, i], scale, zero)
+        codes[:, i] = q.to(torch.uint8)
+        W[:, i + 1:] -= ((W[:, i] - wq) / Hinv[i, i])[:, None] * Hinv[i, i + 1:][None]
+        Hinv = Hinv - Hinv[:, i:i + 1] @ Hinv[i:i + 1, :] / Hinv[i, i]  # column i fixed: eliminate it
+    return codes
+
+
+def weight_of(codes, scales, zeros, group, perm=None):
+    """The (N, K) weight GPTQ's codes stand for, in input order."""
+    sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # (K/G, N, 2)
+    w = dequantize_int4(codes, sz.float()).double()
+    return w if perm is None else unpermute_columns(w, perm)
+
+
+@pytest.mark.parametrize("group,block", [(32, 32), (32, 128), (64, 128), (128, 128)])
+def test_blocked_gptq_equals_direct_reference(group, block):
+    w, x = layer()
+    H = x.t() @ x
+    codes, scales, zeros, perm = gptq_solve(w, H, group, block=block)
+    assert perm is None
+    want = gptq_reference(w, H, group)
+    assert (codes != want).float().mean() <= 1e-3  # float64: equal but for a rounding tie or two
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_reduces_output_error_against_rtn(group, act_order):
+    w, x = layer(seed=group + act_order)
+    w, x = w.float(), x.float()
+    codes, scales, zeros, perm = gptq_solve(w, x.t() @ x, group, act_order=act_order)
+    assert (perm is not None) == act_order
+    if act_order:  # the columns of the largest inputs first
+        assert torch.equal(perm, torch.argsort((x * x).sum(0), descending=True))
+    err_gptq = (x @ (weight_of(codes, scales, zeros, group, perm).float() - w).t()).pow(2).sum()
+    err_rtn = (x @ (rtn_weight(w, group) - w).t()).pow(2).sum()
+    assert err_gptq < 0.7 * err_rtn
+
+
+def test_act_order_dead_columns_go_last():
+    """K's zero padding has zero inputs: with act-order those columns stay at the end, so the order of the real
+    inputs is a permutation of them (Int4Linear.in_perm)."""
+    w, x = layer(k=96)
+    x[:, 5] = 0  # a real input that is always zero
+    H = torch.nn.functional.pad(x.t() @ x, (0, 32, 0, 32))
+    _, _, _, perm = gptq_solve(torch.nn.functional.pad(w, (0, 32)), H, 32, act_order=True)
+    assert sorted(perm[:96].tolist()) == list(range(96)) and perm[95] == 5
+
+
+def mha_llama():
+    import transformers
+    from tiny_models import hf_to_ours
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                   initializer_range=0.1, pad_token_id=None)
+    return hf_to_ours(transformers.LlamaForCausalLM(cfg).eval())
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "mha", "gemma2", "qwen2"])
+def test_awq_scaling_leaves_float_logits_unchanged(name):
+    from tiny_models import hf_to_ours, make_hf
+
+    model = mha_llama() if name == "mha" else hf_to_ours(make_hf(name))
+    tokens = torch.randint(0, 160, (1, 40), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(40)
+    want = model(tokens, pos, all_logits=True)
+    folded = copy.deepcopy(model)
+    x, cos, sin, mask = folded.inputs(tokens, pos, None)
+    for block in folded.layers:
+        linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+        awq_fold(block, input_stats(block, linears, [(x, pos, cos, sin, mask)]), 32)
+        x = block(x, pos, cos, sin, mask, None)
+    changed = folded.layers[0].input_layernorm.weight - model.layers[0].input_layernorm.weight
+    assert changed.abs().max() > 1e-3  # the scales are not all 1
+    got = folded(tokens, pos, all_logits=True)
+    assert (got - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_awq_scale_reduces_output_error_against_rtn(group):
+    """With a few large input channels (as a model's), AWQ's searched scales make round-to-nearest's output error on
+    the calibration inputs smaller than with none (alpha 0, which the grid holds)."""
+    w, x = layer(seed=group)
+    w, x = w.float(), x.float()
+    s = awq_scale(w, x.t() @ x, x.abs().mean(0), group)
+    assert not torch.equal(s, torch.ones_like(s))
+    err_awq = (x @ (rtn_weight(w * s, group) / s - w).t()).pow(2).sum()
+    err_rtn = (x @ (rtn_weight(w, group) - w).t()).pow(2).sum()
+    assert err_awq < 0.9 * err_rtn
+
+
+@pytest.mark.parametrize("method", ["gptq"])
+def test_calibrated_model_closer_than_rtn(tiny, method):
+    """On a tiny random model, GPTQ int4:64 logits are closer to the float model's than round-to-nearest's, on the
+    calibration sequences."""
+    from quantize import quantize_model
+
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, 160, (64,), generator=gen).tolist() for _ in range(4)]
+    tokens, pos = torch.tensor(seqs), torch.arange(64)
+    want = tiny(tokens, pos, all_logits=True)
+    rtn = quantize_model(copy.deepcopy(tiny), "int4:64")
+    calibrated = quantize_calibrated(copy.deepcopy(tiny), "int4:64", method, seqs)
+    assert isinstance(calibrated.layers[1].mlp.down_proj, Int4Linear)
+    err = {name: (m(tokens, pos, all_logits=True) - want).pow(2).mean() for name, m in
+           (("rtn", rtn), ("cal", calibrated))}
+    assert err["cal"] < err["rtn"]
+
+
+def test_act_order_checkpoint_reloads_exactly(tiny_dir, tmp_path):
+    from export import save_quantized
+    from hffolder import read_quantization
+
+    model, _ = load_model(tiny_dir, "cpu", torch.float32, quantize="none")
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 160, (48,), generator=gen).tolist() for _ in range(3)]
+    quantize_calibrated(model, "int4:32", "gptq", seqs, act_order=True)  # down_proj: K 112 padded to 128
+    save_quantized(model, tiny_dir, str(tmp_path / "out"))
+    assert read_quantization(str(tmp_path / "out" / "model.safetensors"))["act_order"] == "true"
+    loaded, _ = load_model(str(tmp_path / "out"), "cpu", torch.float32)
+    for name, m in model.named_modules():
+        if isinstance(m, Int4Linear):
+            other = loaded.get_submodule(name)
+            assert not torch.equal(m.in_perm, torch.arange(m.in_features))
+            assert torch.equal(other.in_perm, m.in_perm) and torch.equal(other.dequantize(), m.dequantize())
+    tokens, pos = torch.tensor([seqs[0]]), torch.arange(48)
+    assert torch.equal(loaded(tokens, pos, all_logits=True), model(tokens, pos, all_logits=True))
+
+
+def test_refusals(tiny):
+    with pytest.raises(ValueError, match="GPTQ and AWQ make int4:G"):
+        quantize_calibrated(copy.deepcopy(tiny), "int8", "gptq", [[1, 2, 3]])
+    with pytest.raises(ValueError, match="--act-order is GPTQ's"):
+        quantize_calibrated(copy.deepcopy(tiny), "int4:32", "awq", [[1, 2, 3]], act_order=True)
+
+
+def test_export_gptq_act_order_folder(tiny_text_dir, tmp_path):
+    """export.py --method gptq --act-order writes a folder that loads with the input orders it was solved with."""
+    import export
+
+    out = tmp_path / "gptq"
+    assert export.main(["--model", tiny_text_dir, "--mode", "int4:64", "--method", "gptq", "--act-order",
+                        "--calibration-tokens", "500", "--dtype", "float32", "--out", str(out)]) == 0
+    loaded, _ = load_model(str(out), "cpu", torch.float32)
+    qkv = loaded.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Int4Linear) and qkv.group_size == 64
+    assert sorted(qkv.in_perm.tolist()) == list(range(64)) and qkv.in_perm.tolist() != list(range(64))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mode", "int8", "--method", "gptq"], "--method gptq makes the block linears int4:G"),
+    (["--mode", "int4:32", "--method", "awq", "--quantize-head"], "the head takes --method rtn"),
+    (["--mode", "int4:32", "--act-order"], "need --method gptq or awq"),
+    (["--mode", "int4:32", "--method", "gptq", "--calibration-tokens", "1"], "must be at least 2")])
+def test_export_method_flags_checked_first(tiny_text_dir, tmp_path, cli_error, argv, message):
+    import export
+
+    assert message in cli_error(export.main, ["--model", tiny_text_dir, *argv, "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()

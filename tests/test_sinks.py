@@ -1,0 +1,134 @@
+"""The rolling cache with attention sinks (sinks.py): its slot bookkeeping against a list that is simply appended
+to and cut, its logits against the full cache while the sequence fits, its rotation rule against attention
+computed from scratch over the tokens it keeps, the paged form against the static one, and the decode loops
+(single, batched, multi-turn) running past the model's context."""
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from decode import Session, generate, generate_batch
+from kvcache import BlockPool, KVCache, LayerKVCache
+from model import apply_rope
+from sinks import SinkKVCache, SinkLayer, SinkWindow, slot_of, slot_positions
+from tiny_models import last_logits
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def kept(n: int, sinks: int, window: int) -> list[int]:
+    """The positions a cache of `window` slots keeping `sinks` holds after positions 0..n-1, in cache order."""
+    return list(range(min(n, sinks))) + list(range(max(sinks, n - (window - sinks)), n))
+
+
+@pytest.mark.parametrize("sinks,window", [(0, 5), (2, 7), (4, 8), (1, 2), (3, 16)])
+def test_slot_positions_follow_the_positions_kept(sinks, window):
+    """Written one position at a time into slot_of's slots, each slot holds a kept position, and slot_positions
+    numbers the slots by their rank in cache order (sinks, then the window); empty slots get `window`."""
+    slots = [None] * window
+    for last in range(4 * window):
+        slots[slot_of(torch.tensor(last), sinks, window)] = last
+        order = kept(last + 1, sinks, window)
+        assert sorted(p for p in slots if p is not None) == order
+        want = [window if p is None else order.index(p) for p in slots]
+        assert slot_positions(torch.tensor([last]), sinks, window, window).tolist() == want
+        rows = slot_positions(torch.tensor([[last], [0]]), sinks, window, window + 3)  # (2, W + 3): padded slots
+        assert rows[0].tolist() == want + [window] * 3 and rows[1, 0] == 0 and (rows[1, 1:] == window).all()
+
+
+def feed(model, tokens: list[int], cache, chunk: int) -> torch.Tensor:
+    """Logits (1, n, V) after each token: the first `chunk` in one forward, then one token a forward."""
+    x = torch.tensor([tokens])
+    out = [model(x[:, :chunk], torch.arange(chunk), cache, all_logits=True)]
+    out += [model(x[:, t:t + 1], torch.tensor([t]), cache) for t in range(chunk, len(tokens))]
+    return torch.cat(out, dim=1)
+
+
+@torch.inference_mode()
+def test_sinks_equal_the_full_cache_while_the_sequence_fits(tiny):
+    """Up to `window` positions the rolling cache holds what a KVCache of as many slots holds, keys rotated as they
+    are read instead of as they are written: the same logits, bit for bit (in model dtype), per row of a batch
+    too; int8 keys quantized before RoPE stay as close to float as the int8 KVCache does."""
+    W, shape = 24, SinkWindow(4, 24)
+    tokens = torch.randint(1, 160, (W,), generator=torch.Generator().manual_seed(0)).tolist()
+    full = feed(tiny, tokens, KVCache.for_model(tiny.args, 1, W, torch.float32, "cpu"), 10)
+    assert torch.equal(feed(tiny, tokens, SinkKVCache.for_model(tiny, 1, shape), 10), full)
+    int8 = feed(tiny, tokens, SinkKVCache.for_model(tiny, 1, shape, kv_dtype="int8"), 10)
+    assert rel_err(int8, full) < 0.02
+    # a batch at per-row positions, row 1 four positions behind row 0, against the same batch in a KVCache
+    batch = []
+    for cache in (KVCache.for_model(tiny.args, 2, W, torch.float32, "cpu"), SinkKVCache.for_model(tiny, 2, shape)):
+        tiny(torch.tensor([tokens[:10], tokens[:10]]), torch.arange(10), cache)
+        pos, out = torch.tensor([[10], [6]]), []
+        for _ in range(W - 10):
+            out.append(tiny(torch.tensor([[tokens[pos[0, 0]]], [tokens[pos[1, 0]]]]), pos, cache))  # (2, 1, V)
+            pos += 1
+        batch.append(torch.cat(out, dim=1))
+    assert torch.equal(batch[1], batch[0])
+
+
+def one_layer(model):
+    """The model cut to its first layer: its keys depend on the tokens alone, not on what the cache held before."""
+    cut = copy.deepcopy(model)
+    cut.layers = cut.layers[:1]
+    cut.args = dataclasses.replace(model.args, n_layers=1)
+    return cut
+
+
+@pytest.mark.parametrize("sinks", [4, 0])
+@torch.inference_mode()
+def test_rotation_rule_is_exact_against_attention_from_scratch(tiny, sinks):
+    """Past the window, each step's logits are those of an uncached forward over just the tokens the cache keeps,
+    at positions 0..n-1 in cache order (StreamingLLM's positions), for a one-layer model (whose keys do not depend
+    on what was evicted before): the ring's slots, their read-time rotation and the query's position are right."""
+    model, W = one_layer(tiny), 16
+    tokens = torch.randint(1, 160, (3 * W + 5,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = feed(model, tokens, SinkKVCache.for_model(model, 1, SinkWindow(sinks, W)), 9)[0]  # (n, V)
+    for n in range(W - 3, len(tokens) + 1):
+        want = last_logits(model, [tokens[p] for p in kept(n, sinks, W)])
+        assert (got[n - 1] - want).abs().max() < 1e-5, n
+
+
+@torch.inference_mode()
+def test_keys_read_are_the_kept_keys_rotated_from_scratch(tiny):
+    """The layer rule alone, bit for bit: after every write the keys a SinkLayer returns at its visible slots, in
+    cache order, are the raw keys of the positions kept rotated at 0..n-1; values are as written."""
+    S, W, K, D = 3, 10, 2, tiny.args.head_dim
+    layer = SinkLayer(LayerKVCache(1, K, W, D, torch.float32, "cpu"), S, W, tiny.rope_cos, tiny.rope_sin)
+    raw_k, raw_v = torch.randn(1, K, 4 * W, D), torch.randn(1, K, 4 * W, D)  # (1, K, positions, D)
+    for p in range(4 * W):
+        keys, values = layer.update(torch.tensor([p]), raw_k[:, :, p:p + 1], raw_v[:, :, p:p + 1])  # (1, K, W, D)
+        k_pos = slot_positions(torch.tensor([p]), S, W, W)
+        order = kept(p + 1, S, W)
+        visible = [int((k_pos == i).nonzero()) for i in range(len(order))]  # slot of cache position i
+        n = len(order)
+        want = apply_rope(raw_k[:, :, order], tiny.rope_cos[:n], tiny.rope_sin[:n])
+        assert torch.equal(keys[:, :, visible], want) and torch.equal(values[:, :, visible], raw_v[:, :, order])
+
+
+@torch.inference_mode()
+def test_paged_sinks_equal_static_sinks(tiny):
+    """Two rows at different positions past the window, their W slots in blocks scattered through a pool: the
+    logits of the paged rolling cache equal each row's static one."""
+    shape, bs = SinkWindow(4, 16), 4
+    pool = BlockPool.for_model(tiny.args, 12, bs, torch.float32, "cpu")
+    tables = torch.tensor([[5, 3, 9, 1], [2, 11, 8, 6]])  # (2, 4): the 16 slots of each row
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randint(1, 160, (50,), generator=g).tolist() for _ in range(2)]
+    statics = [SinkKVCache.for_model(tiny, 1, shape) for _ in rows]
+    for b, tokens in enumerate(rows):  # prefill row 0 with 12 tokens, row 1 with 7, in the pool and alone
+        n = (12, 7)[b]
+        x, pos = torch.tensor([tokens[:n]]), torch.arange(n)
+        got = tiny(x, pos, SinkKVCache.paged(tiny, pool, tables[b:b + 1], shape), all_logits=True)
+        assert (got - tiny(x, pos, statics[b], all_logits=True)).abs().max() <= 1e-5
+    pos = torch.tensor([[12], [7]])
+    for _ in range(36):  # row 0 to position 47, row 1 to 42: both turn the ring twice
+        x = torch.tensor([[rows[b][pos[b, 0]]] for b in range(2)])  # (2, 1)
+        got = tiny(x, pos, SinkKVCache.paged(tiny, pool, tables, shape))[:, -1]  # (2, V)
+        for b in range(2):
+            want = tiny(x[b:b + 1], pos[b], statics[b])[0, -1]
+            assert (got[b] - want).abs().max() <= 1e-5
+        pos += 1

@@ -132,3 +132,103 @@ def test_paged_sinks_equal_static_sinks(tiny):
             want = tiny(x[b:b + 1], pos[b], statics[b])[0, -1]
             assert (got[b] - want).abs().max() <= 1e-5
         pos += 1
+
+
+def greedy_stream(model, prompt: list[int], n: int, shape: SinkWindow) -> list[int]:
+    """The plain loop over a rolling cache: what of the prompt lies before the window in one forward, the rest
+    and the n - 1 tokens fed back one a forward, greedy."""
+    cache, first = SinkKVCache.for_model(model, 1, shape), min(len(prompt), shape.window)
+    logits = model(torch.tensor([prompt[:first]]), torch.arange(first), cache)[0, -1]
+    for p in range(first, len(prompt)):
+        logits = model(torch.tensor([[prompt[p]]]), torch.tensor([p]), cache)[0, -1]
+    out = [int(logits.argmax())]
+    for p in range(len(prompt), len(prompt) + n - 1):
+        out.append(int(model(torch.tensor([[out[-1]]]), torch.tensor([p]), cache)[0, -1].argmax()))
+    return out
+
+
+def ids(tokens) -> list[int]:
+    return [t.id for t in tokens]
+
+
+@pytest.fixture(scope="module")
+def short(tiny):
+    """The tiny model with a context of 48 positions."""
+    model = copy.deepcopy(tiny)
+    model.args = dataclasses.replace(tiny.args, max_seq_len=48)
+    model.reset_rope()
+    return model
+
+
+@torch.inference_mode()
+def test_generate_runs_past_the_context_through_a_window(tiny, short):
+    """decode.generate with a window: the tokens of the plain loop over a rolling cache, past the model's context
+    (48 positions: 100); and while the sequence fits the window, those of generate without one."""
+    prompt = list(range(3, 23))
+    shape = SinkWindow(4, 32)
+    plain = list(generate(short, prompt, max_new_tokens=80))  # without a window, the context ends it ...
+    assert len(plain) == 48 - 20 + 1 and plain[-1].end == "length"
+    got = ids(generate(short, prompt, max_new_tokens=80, window=shape))  # ... with one, 100 positions
+    assert len(got) == 80 and got == greedy_stream(short, prompt, 80, shape)
+    with pytest.raises(ValueError, match="cache_window .* 64 is larger than the model's context of 48"):
+        next(generate(short, prompt, max_new_tokens=80, window=SinkWindow(4, 64)))
+    assert ids(generate(tiny, prompt, max_new_tokens=30, window=SinkWindow(4, 64))) == \
+        ids(generate(tiny, prompt, max_new_tokens=30))
+    # a prompt longer than the window is fed one token a forward past it
+    long = list(range(3, 103))
+    assert ids(generate(tiny, long, max_new_tokens=5, window=shape)) == greedy_stream(tiny, long, 5, shape)
+
+
+@torch.inference_mode()
+def test_batch_rows_through_a_window_equal_each_alone(tiny):
+    """generate_batch with a window, one prompt longer than the window: each row's tokens are its own alone."""
+    prompts, shape = [list(range(5, 25)), list(range(40, 85))], SinkWindow(4, 32)
+    rows = list(generate_batch(tiny, prompts, max_new_tokens=60, window=shape))
+    for b, prompt in enumerate(prompts):
+        assert [r[b].id for r in rows] == ids(generate(tiny, prompt, max_new_tokens=60, window=shape))
+
+
+@torch.inference_mode()
+def test_a_session_through_a_window_chats_past_it(tiny):
+    """Multi-turn through a rolling cache: the second turn feeds only its new tokens to a cache that has turned
+    and gives the tokens a fresh run over the whole conversation gives; a conversation that departs from what the
+    turned cache holds is recomputed from its start."""
+    shape = SinkWindow(4, 32)
+    session = Session(tiny, window=shape)
+    first = list(range(3, 23))
+    reply = ids(generate(tiny, first, max_new_tokens=40, session=session))
+    second = first + reply + [7, 8, 9, 10]
+    assert session.reusable(second) == len(first) + 39  # all it fed: the last reply token is fed with the turn
+    got = ids(generate(tiny, second, max_new_tokens=20, session=session))
+    assert got == ids(generate(tiny, second, max_new_tokens=20, window=shape))
+    edited = second[:10] + [99] + second[11:]
+    assert session.reusable(edited) == 0
+    assert ids(generate(tiny, edited, max_new_tokens=20, session=session)) == \
+        ids(generate(tiny, edited, max_new_tokens=20, window=shape))
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--sink-tokens", "4"], "--sink-tokens needs --cache-window"),
+    (["--cache-window", "4", "--sink-tokens", "4"], "must be larger than the 4 sink tokens, got 4"),
+    (["--cache-window", "8", "--sink-tokens", "-1"], "sink_tokens (--sink-tokens) must be >= 0, got -1"),
+    (["--cache-window", "64", "--ctx-size", "32"], "it cannot take --ctx-size"),
+    (["--cache-window", "64", "--prompt-lookup"], "--cache-window is not supported with speculative decoding"),
+])
+def test_window_flags_are_one_line_errors(cli_error, flags, fragment):
+    import generate as cli
+
+    assert fragment in cli_error(cli.main, ["--prompt", "hi", *flags])
+
+
+def test_generate_cli_runs_past_the_context(cli_error, capsys, tiny_text_dir):
+    """generate.py --cache-window on the tiny folder (context 256): 300 new tokens after the prompt, the summary
+    line naming the window; a window past the context is one error line naming it."""
+    import generate as cli
+
+    run = ["--model", tiny_text_dir, "--prompt", "hi", "--temperature", "0", "--compile", "none", "--dtype",
+           "float32", "--ignore-eos"]
+    assert cli.main([*run, "--max-new-tokens", "300", "--cache-window", "32", "--sink-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "generated tokens 300 |" in err and "| kv window 32 (2 sinks)" in err
+    assert "cache_window (--cache-window) 512 is larger than the model's context of 256" in \
+        cli_error(cli.main, [*run, "--cache-window", "512"])

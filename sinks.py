@@ -34,28 +34,32 @@ from model import Transformer, apply_rope
 
 @dataclass(frozen=True)
 class SinkWindow:
-    """A rolling cache's shape: `window` slots per sequence, the first `sinks` positions kept for good."""
-    sinks: int
+    """A rolling cache's shape: `window` slots per sequence, the first `sinks` positions kept for good; sinks may
+    be one count per batch row (a tuple: the rows then take per-row positions (B, T)), as streaming.py compares
+    window-only eviction (0) with sinks in one batch."""
+    sinks: int | tuple[int, ...]
     window: int
 
     def check(self, context: int) -> None:
         """Raise a ValueError naming a bad value: 0 <= sinks < window <= the model's context."""
-        if self.sinks < 0:
-            raise ValueError(f"sink_tokens (--sink-tokens) must be >= 0, got {self.sinks}")
-        if self.window <= self.sinks:
-            raise ValueError(f"cache_window (--cache-window) must be larger than the {self.sinks} sink tokens, "
+        counts = self.sinks if isinstance(self.sinks, tuple) else (self.sinks,)
+        if min(counts) < 0:
+            raise ValueError(f"sink_tokens (--sink-tokens) must be >= 0, got {min(counts)}")
+        if self.window <= max(counts):
+            raise ValueError(f"cache_window (--cache-window) must be larger than the {max(counts)} sink tokens, "
                              f"got {self.window}")
         if self.window > context:
             raise ValueError(f"cache_window (--cache-window) {self.window} is larger than the model's context of "
                              f"{context}: RoPE positions within the window must be ones the model knows")
 
 
-def slot_of(pos: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
-    """The slot each position is written to: p for the sinks, then a ring of window - sinks slots."""
+def slot_of(pos: torch.Tensor, sinks: int | torch.Tensor, window: int) -> torch.Tensor:
+    """The slot each position is written to: p for the sinks, then a ring of window - sinks slots. sinks: an int,
+    or (B, 1) per row."""
     return torch.where(pos < sinks, pos, sinks + (pos - sinks) % (window - sinks))
 
 
-def slot_positions(last: torch.Tensor, sinks: int, window: int, n_slots: int) -> torch.Tensor:
+def slot_positions(last: torch.Tensor, sinks: int | torch.Tensor, window: int, n_slots: int) -> torch.Tensor:
     """The position the model sees for each of n_slots slots once position `last` ((1,), or (B, 1) per row) is
     written: (n_slots,) or (B, n_slots). A slot holding nothing (not written yet; past the window in a paged row's
     blocks) gets `window`, past every query's position, so the causal mask hides it."""
@@ -73,7 +77,7 @@ class SinkLayer:
     positions."""
     rotates_keys = True  # model.Attention hands in keys before RoPE
 
-    def __init__(self, inner, sinks: int, window: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+    def __init__(self, inner, sinks: int | torch.Tensor, window: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
         self.inner, self.sinks, self.window = inner, sinks, window
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # the model's tables, (max_seq_len, R/2) float32
 
@@ -99,9 +103,12 @@ class SinkKVCache:
 
     def __init__(self, inner: KVCache | PagedKVCache, shape: SinkWindow, rope_cos: torch.Tensor,
                  rope_sin: torch.Tensor):
-        self.inner, self.sinks, self.window = inner, shape.sinks, shape.window
+        sinks = shape.sinks
+        if isinstance(sinks, tuple):  # one count per row: (B, 1), broadcast against per-row positions
+            sinks = torch.tensor(sinks, device=rope_cos.device)[:, None]
+        self.inner, self.sinks, self.window = inner, sinks, shape.window
         self.max_seq_len = inner.max_seq_len  # slots attended, not a limit on positions
-        self.layers = [SinkLayer(layer, shape.sinks, shape.window, rope_cos, rope_sin) for layer in inner.layers]
+        self.layers = [SinkLayer(layer, sinks, shape.window, rope_cos, rope_sin) for layer in inner.layers]
 
     @classmethod
     def for_model(cls, model: Transformer, batch_size: int, shape: SinkWindow, max_len: int | None = None,

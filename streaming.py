@@ -52,13 +52,17 @@ def full_nlls(model: Transformer, tokens: list[int], chunk: int = 1024) -> list[
 
 @torch.inference_mode()
 def streaming_nlls(model: Transformer, tokens: list[int], shape: SinkWindow, step: Step,
-                   progress: bool = False) -> list[float]:
-    """NLL of tokens 1..n-1 through a rolling cache: the first `window` tokens in one forward, then one a forward."""
-    cache = SinkKVCache.for_model(model, 1, shape)
-    W = min(shape.window, len(tokens) - 1)
-    out = nll(step(torch.tensor([tokens[:W]]), torch.arange(W), cache, all_logits=True)[0], tokens[1:W + 1])
-    for t in tqdm(range(W, len(tokens) - 1), disable=not progress, desc=f"sinks {shape.sinks}", unit="tok"):
-        out += nll(step(torch.tensor([[tokens[t]]]), torch.tensor([t]), cache), [tokens[t + 1]])
+                   progress: bool = False) -> list[list[float]]:
+    """NLL of tokens 1..n-1 through a rolling cache, for each sink count of shape.sinks (a tuple): the rows of one
+    batch (the weights are read once for all), the first `window` tokens in one forward, then one a forward."""
+    B, W = len(shape.sinks), min(shape.window, len(tokens) - 1)
+    cache = SinkKVCache.for_model(model, B, shape)
+    logits = step(torch.tensor([tokens[:W]] * B), torch.arange(W).expand(B, W), cache, all_logits=True)  # (B, W, V)
+    out = [nll(row, tokens[1:W + 1]) for row in logits]
+    for t in tqdm(range(W, len(tokens) - 1), disable=not progress, desc="streaming", unit="tok"):
+        logits = step(torch.tensor([[tokens[t]]] * B), torch.full((B, 1), t), cache)  # (B, V)
+        for b in range(B):
+            out[b] += nll(logits[b:b + 1], [tokens[t + 1]])
     return out
 
 
@@ -122,11 +126,8 @@ def run(args: argparse.Namespace) -> None:
         generate_rss(model, tokens[:100], args.generate, SinkWindow(args.sinks, args.window), step,
                      (2000, args.generate))
         return
-    runs = {f"window only (W={args.window})": streaming_nlls(model, tokens, SinkWindow(0, args.window), step,
-                                                              progress),
-            f"sinks S={args.sinks} (W={args.window})": streaming_nlls(model, tokens,
-                                                                       SinkWindow(args.sinks, args.window), step,
-                                                                       progress),
+    evicting, sinks = streaming_nlls(model, tokens, SinkWindow((0, args.sinks), args.window), step, progress)
+    runs = {f"window only (W={args.window})": evicting, f"sinks S={args.sinks} (W={args.window})": sinks,
             f"full cache (first {min(len(tokens), model.args.max_seq_len)})": full_nlls(model, tokens)}
     print(f"{len(tokens)} tokens of {os.path.basename(args.text)}, perplexity per {args.size} predicted tokens\n")
     print(table(runs, args.size))

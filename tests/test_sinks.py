@@ -134,6 +134,22 @@ def test_paged_sinks_equal_static_sinks(tiny):
         pos += 1
 
 
+@torch.inference_mode()
+def test_rows_with_their_own_sink_counts_equal_each_alone(tiny):
+    """SinkWindow((0, 4), W): one batch whose rows keep 0 and 4 sinks (streaming.py's comparison) gives each row's
+    logits of a cache with that count alone, past the window."""
+    W = 16
+    tokens = torch.randint(1, 160, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    x = torch.tensor([tokens] * 2)
+    both = SinkKVCache.for_model(tiny, 2, SinkWindow((0, 4), W))
+    got = [tiny(x[:, :W], torch.arange(W).expand(2, W), both, all_logits=True)]
+    got += [tiny(x[:, t:t + 1], torch.full((2, 1), t), both) for t in range(W, len(tokens))]
+    got = torch.cat(got, dim=1)  # (2, n, V)
+    for b, sinks in enumerate((0, 4)):
+        want = feed(tiny, tokens, SinkKVCache.for_model(tiny, 1, SinkWindow(sinks, W)), W)[0]
+        assert (got[b] - want).abs().max() < 1e-5
+
+
 def greedy_stream(model, prompt: list[int], n: int, shape: SinkWindow) -> list[int]:
     """The plain loop over a rolling cache: what of the prompt lies before the window in one forward, the rest
     and the n - 1 tokens fed back one a forward, greedy."""

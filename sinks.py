@@ -53,10 +53,11 @@ class SinkWindow:
                              f"{context}: RoPE positions within the window must be ones the model knows")
 
 
-def slot_of(pos: torch.Tensor, sinks: int | torch.Tensor, window: int) -> torch.Tensor:
-    """The slot each position is written to: p for the sinks, then a ring of window - sinks slots. sinks: an int,
-    or (B, 1) per row."""
-    return torch.where(pos < sinks, pos, sinks + (pos - sinks) % (window - sinks))
+def slot_of(pos, sinks, window: int):
+    """The slot each position is written to: p for the sinks, then a ring of window - sinks slots. Positions and
+    sinks as ints (scheduler.py) or tensors (sinks (B, 1): per row)."""
+    ring = window - sinks
+    return pos - (pos >= sinks) * ((pos - sinks) // ring * ring)  # past the sinks: sinks + (pos - sinks) % ring
 
 
 def slot_positions(last: torch.Tensor, sinks: int | torch.Tensor, window: int, n_slots: int) -> torch.Tensor:

@@ -110,6 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", type=int, default=1000, help="predicted tokens per table row (default 1000)")
     p.add_argument("--max-tokens", type=int, default=None, help="use only the text's first N tokens")
     p.add_argument("--compile", default="auto", choices=COMPILE_MODES, help="the decode step (step.Step)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
     p.add_argument("--json", default=None, metavar="OUT", help="also write every token's NLL per run to OUT")
     p.add_argument("--generate", type=int, default=None, metavar="N", help="instead: generate N tokens greedily "
                    "after the text's first 100 through the sinks cache, printing the peak RSS at 2,000 and N")
@@ -119,7 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> None:
     path = args.model or default_model()
     tokens = load_eval_tokens(load_tokenizer(path), args.text, args.max_tokens)
-    model, _ = load_model(path, "cpu", torch.float32, quantize="none")  # a GGUF's blocks dequantized
+    model, _ = load_model(path, "cpu", getattr(torch, args.dtype), quantize="none")  # a GGUF's blocks dequantized
     SinkWindow(args.sinks, args.window).check(model.args.max_seq_len)
     step, progress = Step(model.eval(), args.compile), sys.stderr.isatty()
     if args.generate is not None:

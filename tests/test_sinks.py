@@ -11,6 +11,7 @@ import torch
 from decode import Session, generate, generate_batch
 from kvcache import BlockPool, KVCache, LayerKVCache
 from model import apply_rope
+from sample import SamplingParams
 from sinks import SinkKVCache, SinkLayer, SinkWindow, slot_of, slot_positions
 from tiny_models import last_logits
 
@@ -248,3 +249,36 @@ def test_generate_cli_runs_past_the_context(cli_error, capsys, tiny_text_dir):
     assert "generated tokens 300 |" in err and "| kv window 32 (2 sinks)" in err
     assert "cache_window (--cache-window) 512 is larger than the model's context of 256" in \
         cli_error(cli.main, [*run, "--cache-window", "512"])
+
+
+@torch.inference_mode()
+def test_engine_through_a_window_serves_past_the_context(short):
+    """The engine with cache_window (paged rolling cache, blocks as a ring): a prompt longer than the window and
+    two sampled choices of another (forks sharing a ring that each rewrites: copy on write), 60 tokens each past
+    the model's context of 48. Each choice is decode.generate with the window (choice i seeded seed + i), no
+    sequence ever holds more than the window's blocks, and every block is given back. Prefix caching is refused
+    with a window."""
+    from engine import Engine, EngineConfig, Request
+    from helpers import ToyTokenizer
+
+    shape = SinkWindow(4, 32)
+    with pytest.raises(ValueError, match="needs prefix caching off"):
+        Engine(short, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=40, cache_window=32))
+    cfg = EngineConfig(block_size=4, num_blocks=40, cache_window=32, sink_tokens=4, prefix_caching=False,
+                       token_budget=24, max_running=8)
+    eng = Engine(short, ToyTokenizer(), cfg)
+    sampled = SamplingParams(temperature=1.0, ignore_eos=True)
+    requests = [(list(range(40, 85)), SamplingParams(ignore_eos=True), 1), (list(range(90, 100)), sampled, 2)]
+    events, most = {}, 0
+    for prompt, params, n in requests:
+        eng.submit(Request(prompt, params, 60, seed=7, n=n,
+                           on_event=lambda e: events.setdefault((e.request_id, e.index), []).extend(e.token_ids)))
+    while eng.step():
+        most = max(most, max((len(s.blocks) for s in eng.scheduler.running), default=0))
+    assert most == 32 // 4 and eng.stats()["blocks_used"] == 0 and all(r == 0 for r in eng.blocks.refs)
+    assert sorted(events) == [(0, 0), (1, 0), (1, 1)]
+    for (rid, i), got in events.items():
+        prompt, params, _ = requests[rid]
+        want = generate(short, prompt, max_new_tokens=60, params=params, window=shape,
+                        generator=torch.Generator().manual_seed(7 + i))
+        assert got == ids(want), (rid, i)

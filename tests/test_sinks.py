@@ -282,3 +282,24 @@ def test_engine_through_a_window_serves_past_the_context(short):
         want = generate(short, prompt, max_new_tokens=60, params=params, window=shape,
                         generator=torch.Generator().manual_seed(7 + i))
         assert got == ids(want), (rid, i)
+
+
+def test_serve_flags_make_a_rolling_engine(tiny, tiny_text_dir):
+    """serve.py --cache-window W --sink-tokens S: the engine's per-server setting, prefix caching off, and a
+    --max-model-len past the model's context (256) that the server then allows; the flags' errors."""
+    from serve import Server, check_flags, make_engine, parse_args, serve_config
+    from tokenizer import load_tokenizer
+
+    args = parse_args(["--cache-window", "32", "--sink-tokens", "2", "--max-model-len", "1000"])
+    check_flags(args)
+    tokenizer = load_tokenizer(tiny_text_dir)
+    engine = make_engine(args, tiny, tokenizer)
+    cfg = engine.config
+    assert (cfg.cache_window, cfg.sink_tokens, cfg.prefix_caching) == (32, 2, False)
+    assert Server(engine, tokenizer, "tiny", serve_config(args)).max_len == 1000
+    for flags, fragment in ((["--sink-tokens", "2"], "--sink-tokens needs --cache-window"),
+                            (["--cache-window", "2", "--sink-tokens", "2"], "must be larger than the 2 sink")):
+        with pytest.raises(ValueError, match=fragment):
+            check_flags(parse_args(flags))
+    with pytest.raises(ValueError, match="512 is larger than the model's context of 256"):
+        make_engine(parse_args(["--cache-window", "512"]), tiny, tokenizer)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,10 +52,11 @@ def full_nlls(model: Transformer, tokens: list[int], chunk: int = 1024) -> list[
 
 
 @torch.inference_mode()
-def streaming_nlls(model: Transformer, tokens: list[int], shape: SinkWindow, step: Step,
-                   progress: bool = False) -> list[list[float]]:
+def streaming_nlls(model: Transformer, tokens: list[int], shape: SinkWindow, step: Step, progress: bool = False,
+                   report: Callable[[list[list[float]]], None] | None = None, every: int = 1000) -> list[list[float]]:
     """NLL of tokens 1..n-1 through a rolling cache, for each sink count of shape.sinks (a tuple): the rows of one
-    batch (the weights are read once for all), the first `window` tokens in one forward, then one a forward."""
+    batch (the weights are read once for all), the first `window` tokens in one forward, then one a forward.
+    report(NLLs so far) is called after every `every` predictions."""
     B, W = len(shape.sinks), min(shape.window, len(tokens) - 1)
     cache = SinkKVCache.for_model(model, B, shape)
     logits = step(torch.tensor([tokens[:W]] * B), torch.arange(W).expand(B, W), cache, all_logits=True)  # (B, W, V)
@@ -63,6 +65,8 @@ def streaming_nlls(model: Transformer, tokens: list[int], shape: SinkWindow, ste
         logits = step(torch.tensor([[tokens[t]]] * B), torch.full((B, 1), t), cache)  # (B, V)
         for b in range(B):
             out[b] += nll(logits[b:b + 1], [tokens[t + 1]])
+        if report is not None and len(out[0]) % every == 0:
+            report(out)
     return out
 
 
@@ -89,12 +93,12 @@ def per_window(nlls: list[float], size: int) -> list[float]:
     return [math.exp(sum(nlls[i:i + size]) / size) for i in range(0, len(nlls) - size + 1, size)]
 
 
-def table(runs: dict[str, list[float]], size: int) -> str:
-    """Markdown: one row per window of `size` predicted tokens, one column per run ('-' past its end)."""
+def table(runs: dict[str, list[float]], size: int, rows: range | None = None, header: bool = True) -> str:
+    """Markdown: a row per window of `size` predicted tokens (those of `rows`, default all), a column per run ('-'
+    past its end)."""
     cols = {name: per_window(v, size) for name, v in runs.items()}
-    rows = max(len(v) for v in cols.values())
-    lines = ["| tokens | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for i in range(rows):
+    lines = ["| tokens | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"] if header else []
+    for i in range(max(len(v) for v in cols.values())) if rows is None else rows:
         cells = [f"{v[i]:.2f}" if i < len(v) else "-" for v in cols.values()]
         lines.append(f"| {i * size + 1}-{(i + 1) * size} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -127,11 +131,21 @@ def run(args: argparse.Namespace) -> None:
         generate_rss(model, tokens[:100], args.generate, SinkWindow(args.sinks, args.window), step,
                      (2000, args.generate))
         return
-    evicting, sinks = streaming_nlls(model, tokens, SinkWindow((0, args.sinks), args.window), step, progress)
-    runs = {f"window only (W={args.window})": evicting, f"sinks S={args.sinks} (W={args.window})": sinks,
-            f"full cache (first {min(len(tokens), model.args.max_seq_len)})": full_nlls(model, tokens)}
+    names = f"window only (W={args.window})", f"sinks S={args.sinks} (W={args.window})"
+    full = {f"full cache (first {min(len(tokens), model.args.max_seq_len)})": full_nlls(model, tokens)}
     print(f"{len(tokens)} tokens of {os.path.basename(args.text)}, perplexity per {args.size} predicted tokens\n")
-    print(table(runs, args.size))
+    print(table({name: [] for name in names} | full, args.size, range(0), header=True), flush=True)
+
+    printed = [0]  # table rows printed so far
+
+    def report(nlls: list[list[float]]) -> None:  # each row as its window completes
+        done = len(nlls[0]) // args.size
+        print(table(dict(zip(names, nlls)) | full, args.size, range(printed[0], done), header=False), flush=True)
+        printed[0] = done
+
+    evicting, sinks = streaming_nlls(model, tokens, SinkWindow((0, args.sinks), args.window), step, progress,
+                                     report, args.size)
+    runs = dict(zip(names, (evicting, sinks))) | full
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tokens": len(tokens), "runs": runs}, f)

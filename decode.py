@@ -36,7 +36,7 @@ def new_cache(model: Transformer, batch_size: int, max_seq_len: int, kv_dtype: s
     return KVCache.for_model(model.args, batch_size, max_seq_len, weight.dtype, weight.device, kv_dtype)
 
 
-def context_of(model: Transformer, window: SinkWindow | None) -> int:
+def max_positions(model: Transformer, window: SinkWindow | None) -> int:
     """The positions a sequence may fill: the model's context, unbounded through a rolling cache."""
     if window is None:
         return model.args.max_seq_len
@@ -120,7 +120,7 @@ class Session:
                  window: SinkWindow | None = None):
         self.model, self.kv_dtype, self.window = model, kv_dtype, window
         # the most the conversation may grow to: the context, unbounded through a rolling cache (window)
-        self.max_seq_len = max_seq_len or context_of(model, window)
+        self.max_seq_len = max_seq_len or max_positions(model, window)
         self.cache: KVCache | SinkKVCache | None = None
         self.tokens: list[int] = []
 
@@ -171,7 +171,7 @@ def generate(
     (grammar.py): its own matcher masks every step. With a window (or a session's), the cache rolls (sinks.py):
     the sequence may run past the model's context."""
     if session is None:
-        context = context_of(model, window)
+        context = max_positions(model, window)
         check_request(prompt, max_new_tokens, context)
         # The cache holds the prompt and the generated tokens, never more than the model's context (or the window).
         max_seq = min(len(prompt) + max_new_tokens, context)
@@ -228,7 +228,7 @@ def generate_batch(
     with a window, every row's cache rolls (sinks.py)."""
     if not prompts:
         raise ValueError("no prompts to generate for")
-    context = context_of(model, window)
+    context = max_positions(model, window)
     for prompt in prompts:
         check_request(prompt, max_new_tokens, context)
     check_logit_bias(params.logit_bias, model.args.vocab_size)

@@ -303,3 +303,26 @@ def test_serve_flags_make_a_rolling_engine(tiny, tiny_text_dir):
             check_flags(parse_args(flags))
     with pytest.raises(ValueError, match="512 is larger than the model's context of 256"):
         make_engine(parse_args(["--cache-window", "512"]), tiny, tokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["blocks", "full"])
+@torch.inference_mode()
+def test_compiled_decode_steps_through_a_window_equal_eager(tiny, mode):
+    """The rolling cache keeps the compiled step's fixed shapes: a compiled step (its graph traced through
+    SinkLayer's ring writes and read-time rotation) past the window gives the eager step's logits, per-row
+    positions too."""
+    from step import Step
+
+    shape = SinkWindow(4, 16)
+    tokens = torch.randint(1, 160, (2, 40), generator=torch.Generator().manual_seed(4))
+    out = []
+    for step in (Step(tiny), Step(tiny, mode)):
+        cache = SinkKVCache.for_model(tiny, 2, shape)
+        step(tokens[:, :10], torch.arange(10), cache)
+        pos, logits = torch.tensor([[10], [8]]), []
+        for _ in range(30):
+            logits.append(step(torch.stack([tokens[0, pos[0]], tokens[1, pos[1]]]), pos, cache))  # (2, V)
+            pos += 1
+        out.append(torch.stack(logits))
+    assert (out[1] - out[0]).abs().max() < 1e-4

@@ -212,7 +212,8 @@ class Outputs:
         choice.tokens.append(token.id)
         choice.logprob += token.logprob or 0.0
         token.end = end_reason(token.id, len(choice.tokens) - choice.n_prompt, len(choice.tokens),
-                               request.max_new_tokens, self.model.args.max_seq_len, self.tokenizer.eos_ids, choice.matcher,
+                               request.max_new_tokens, self.scheduler.config.max_len(self.model.args.max_seq_len),
+                               self.tokenizer.eos_ids, choice.matcher,
                                ignore_eos=request.params.ignore_eos)
         piece = push_token(choice.text, token)
         reason = finish_reason(token.end, choice.text)

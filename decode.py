@@ -10,6 +10,7 @@ tensors: write to one again only inside inference mode.
 
 Shape legend: B rows, T tokens fed, V vocab.
 """
+import sys
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -18,15 +19,40 @@ from grammar import Grammar, Matcher
 from kvcache import KVCache
 from model import Transformer
 from sample import SamplingParams, Token, check_logit_bias, penalty_state, sample_tokens
+from sinks import SinkKVCache, SinkWindow
 from step import Step
 
 PAD_ID = 0  # feeds finished batch rows; its keys/values are never attended
+UNBOUNDED = sys.maxsize  # the length a sequence through a rolling cache (sinks.py) may reach
 
 
-def new_cache(model: Transformer, batch_size: int, max_seq_len: int, kv_dtype: str = "model") -> KVCache:
-    """The KV cache every generation path uses (single, batched, session); kv_dtype as KVCache takes it."""
+def new_cache(model: Transformer, batch_size: int, max_seq_len: int, kv_dtype: str = "model",
+              window: SinkWindow | None = None) -> KVCache | SinkKVCache:
+    """The KV cache every generation path uses (single, batched, session) for sequences of up to max_seq_len
+    positions; kv_dtype as KVCache takes it. With a window, a rolling cache (sinks.py) of at most window slots."""
+    if window is not None:
+        return SinkKVCache.for_model(model, batch_size, window, max_seq_len, kv_dtype)
     weight = model.embed_tokens.weight
     return KVCache.for_model(model.args, batch_size, max_seq_len, weight.dtype, weight.device, kv_dtype)
+
+
+def max_positions(model: Transformer, window: SinkWindow | None) -> int:
+    """The positions a sequence may fill: the model's context, unbounded through a rolling cache."""
+    if window is None:
+        return model.args.max_seq_len
+    window.check(model.args.max_seq_len)
+    return UNBOUNDED
+
+
+def prefill(step: Step, tokens: list[int], start: int, cache: KVCache | SinkKVCache, device) -> torch.Tensor:
+    """Feed `tokens` at positions start.. through the cache; the logits after the last one (1, V). A rolling
+    cache takes what lies past its window one token a forward (SinkKVCache.spans)."""
+    end = start + len(tokens)
+    spans = cache.spans(start, end) if isinstance(cache, SinkKVCache) else [(start, end)]
+    for a, b in spans:
+        logits = step(torch.tensor([tokens[a - start:b - start]], device=device), torch.arange(a, b, device=device),
+                      cache)
+    return logits
 
 
 def end_reason(token: int, n_new: int, n_tokens: int, max_new_tokens: int, max_len: int,
@@ -90,16 +116,21 @@ class Session:
     """A KV cache kept across generation calls (multi-turn chat) and the tokens whose keys/values it holds,
     at positions 0..len(tokens)-1. The caller passes the whole conversation; only what differs is prefilled."""
 
-    def __init__(self, model: Transformer, max_seq_len: int | None = None, kv_dtype: str = "model"):
-        self.model, self.kv_dtype = model, kv_dtype
-        self.max_seq_len = max_seq_len or model.args.max_seq_len  # the most the cache may grow to
-        self.cache: KVCache | None = None
+    def __init__(self, model: Transformer, max_seq_len: int | None = None, kv_dtype: str = "model",
+                 window: SinkWindow | None = None):
+        self.model, self.kv_dtype, self.window = model, kv_dtype, window
+        # the most the conversation may grow to: the context, unbounded through a rolling cache (window)
+        self.max_seq_len = max_seq_len or max_positions(model, window)
+        self.cache: KVCache | SinkKVCache | None = None
         self.tokens: list[int] = []
 
     def reserve(self, n: int) -> KVCache:
         """The cache, grown to hold n positions (at least doubling, up to max_seq_len) with its contents kept.
         Attention covers every slot, so a cache sized to the conversation beats one sized to the context."""
         old = self.cache
+        if self.window is not None:  # a rolling cache: its window, from the start
+            self.cache = old or new_cache(self.model, 1, self.window.window, self.kv_dtype, self.window)
+            return self.cache
         if old is not None and (old.max_seq_len >= n or old.max_seq_len == self.max_seq_len):
             return old
         self.cache = new_cache(self.model, 1, min(self.max_seq_len, max(n, 2 * old.max_seq_len if old else n)),
@@ -112,8 +143,11 @@ class Session:
 
     def reusable(self, prompt: list[int]) -> int:
         """How many leading tokens of `prompt` the cache already holds. The last prompt token is always
-        fed again: its logits start the decoding."""
-        return common_prefix(self.tokens, prompt[:-1])
+        fed again: its logits start the decoding. A rolling cache that turned holds no longer what it evicted: a
+        prompt that departs from the conversation is recomputed from its start."""
+        n = common_prefix(self.tokens, prompt[:-1])
+        turned = self.window is not None and len(self.tokens) > self.window.window
+        return 0 if turned and n < len(self.tokens) else n
 
 
 @torch.inference_mode()
@@ -130,19 +164,23 @@ def generate(
     session: Session | None = None,
     kv_dtype: str = "model",
     grammar: Grammar | None = None,
+    window: SinkWindow | None = None,
 ) -> Iterator[Token]:
     """Yield the generated Tokens, the last one marked with why it ended (end_reason). With a session, its cache
     is reused: only the part of `prompt` it does not hold yet is prefilled. With a grammar, the output follows it
-    (grammar.py): its own matcher masks every step."""
+    (grammar.py): its own matcher masks every step. With a window (or a session's), the cache rolls (sinks.py):
+    the sequence may run past the model's context."""
     if session is None:
-        check_request(prompt, max_new_tokens, model.args.max_seq_len)
-        # The cache holds the prompt and the generated tokens, never more than the model's context.
-        max_seq = min(len(prompt) + max_new_tokens, model.args.max_seq_len)
-        cache, start = new_cache(model, 1, max_seq, kv_dtype), 0
+        context = max_positions(model, window)
+        check_request(prompt, max_new_tokens, context)
+        # The cache holds the prompt and the generated tokens, never more than the model's context (or the window).
+        max_seq = min(len(prompt) + max_new_tokens, context)
+        cache, start = new_cache(model, 1, max_seq, kv_dtype, window), 0
     else:
+        assert window is None, "a session has its own window"
         check_request(prompt, max_new_tokens, session.max_seq_len, "the session's limit")
         cache = session.reserve(len(prompt) + max_new_tokens)
-        max_seq = cache.max_seq_len
+        max_seq = cache.max_seq_len if session.window is None else session.max_seq_len
         # Slots past the reused prefix are stale; each is rewritten before any query at or after it reads it.
         start = session.reusable(prompt)
     check_logit_bias(params.logit_bias, model.args.vocab_size)
@@ -151,8 +189,7 @@ def generate(
     seen, generated = penalty_state(params, [prompt], model)
     matcher = None if grammar is None else grammar.matcher()
 
-    tokens = torch.tensor([prompt[start:]], device=device)  # (1, T)
-    logits = step(tokens, torch.arange(start, len(prompt), device=device), cache)  # prefill: (1, V)
+    logits = prefill(step, prompt[start:], start, cache, device)  # (1, V)
     if session is not None:
         session.tokens = list(prompt)
     pos = len(prompt)  # where the next sampled token is fed
@@ -184,12 +221,14 @@ def generate_batch(
     logprobs: int | None = None,
     kv_dtype: str = "model",
     grammar: Grammar | None = None,
+    window: SinkWindow | None = None,
 ) -> Iterator[list[Token | None]]:
     """Generate for several prompts in one batch. Yields per step a Token for each running row, None for rows
-    that ended (by generate's rule, per row); ends when every row has. With a grammar, each row has its matcher."""
+    that ended (by generate's rule, per row); ends when every row has. With a grammar, each row has its matcher;
+    with a window, every row's cache rolls (sinks.py)."""
     if not prompts:
         raise ValueError("no prompts to generate for")
-    context = model.args.max_seq_len
+    context = max_positions(model, window)
     for prompt in prompts:
         check_request(prompt, max_new_tokens, context)
     check_logit_bias(params.logit_bias, model.args.vocab_size)
@@ -197,7 +236,7 @@ def generate_batch(
     step = check_step(step, model)
     B, lengths = len(prompts), [len(p) for p in prompts]
     limits = [min(n + max_new_tokens, context) for n in lengths]  # each row's max_seq when run alone
-    cache = new_cache(model, B, max(limits), kv_dtype)
+    cache = new_cache(model, B, max(limits), kv_dtype, window)
     seen, generated = penalty_state(params, prompts, model)
     matchers = None if grammar is None else [grammar.matcher() for _ in prompts]
 
@@ -207,9 +246,9 @@ def generate_batch(
     # Exactness). Prefill is compute-bound: one forward per prompt costs what one padded forward would.
     last = []
     for b, prompt in enumerate(prompts):
-        alone = new_cache(model, 1, limits[b], kv_dtype)
-        n = len(prompt)
-        last.append(step(torch.tensor([prompt], device=device), torch.arange(n, device=device), alone))  # (1, V)
+        alone = new_cache(model, 1, limits[b], kv_dtype, window)
+        n = min(len(prompt), alone.max_seq_len)  # the slots written (a rolling cache's slot of a position is fixed)
+        last.append(prefill(step, prompt, 0, alone, device))  # (1, V)
         for row_layer, batch_layer in zip(alone.layers, cache.layers):
             for a, c in zip(row_layer.buffers(), batch_layer.buffers()):
                 c[b, :, :n] = a[0, :, :n]  # (K, n, D or 1)

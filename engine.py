@@ -34,6 +34,7 @@ from kvcache import BlockPool, PagedKVCache
 from model import Transformer
 from sample import SamplingParams, Token
 from scheduler import BlockManager, EngineConfig, Scheduler
+from sinks import SinkKVCache, SinkWindow
 from step import Step
 from text import Completion, check_stop
 
@@ -47,8 +48,9 @@ class QueueFull(RuntimeError):
 def check(request: Request, context: int, cfg: EngineConfig) -> None:
     """Raise a ValueError naming what an engine with config cfg, for a model of this context, cannot serve."""
     echo = request.max_new_tokens == 0 and request.prompt_logprobs is not None  # the prefill only
-    check_request(request.prompt, 1 if echo else request.max_new_tokens, context)
-    needed = -(-min(len(request.prompt) + request.max_new_tokens, context) // cfg.block_size)
+    limit = cfg.max_len(context)  # past the context through a rolling cache
+    check_request(request.prompt, 1 if echo else request.max_new_tokens, limit)
+    needed = -(-min(len(request.prompt) + request.max_new_tokens, limit, cfg.cache_window or limit) // cfg.block_size)
     if needed > cfg.num_blocks - 1:
         raise ValueError(f"the request needs up to {needed} KV blocks; the pool has {cfg.num_blocks - 1}")
     if request.n < 1:
@@ -71,11 +73,17 @@ class Engine:
             raise ValueError(f"token_budget ({config.token_budget}) must be >= max_running ({config.max_running}): "
                              "every running sequence decodes one token per step")
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.window = None if config.cache_window is None else SinkWindow(config.sink_tokens, config.cache_window)
+        if self.window is not None:
+            self.window.check(model.args.max_seq_len)
+            if config.prefix_caching:
+                raise ValueError("cache_window (--cache-window) needs prefix caching off: a rolling cache rewrites "
+                                 "its blocks")
         self.decode_step = check_step(step, model)  # eager, or compiled (step.Step)
         weight = model.embed_tokens.weight
         self.device = weight.device
         self.pool = BlockPool.for_model(model.args, config.num_blocks, config.block_size, weight.dtype, self.device)
-        self.blocks = BlockManager(self.pool, config.prefix_caching)
+        self.blocks = BlockManager(self.pool, config.prefix_caching, config.cache_window, config.sink_tokens)
         self.scheduler = Scheduler(config, self.blocks)
         self.inbox: queue.SimpleQueue[Choice] = queue.SimpleQueue()  # submitted, from any thread
         self.aborts: queue.SimpleQueue[int] = queue.SimpleQueue()  # request ids, from any thread
@@ -202,8 +210,10 @@ class Engine:
     def _cache(self, seqs: list[Choice]) -> PagedKVCache:
         """The pool as these rows see it: their block tables (B, N), padded with block 0."""
         width = max(len(s.blocks) for s in seqs)
-        return PagedKVCache(self.pool, torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs],
-                                                    device=self.device))
+        tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], device=self.device)
+        if self.window is not None:  # a rolling cache over the rows' blocks (sinks.py)
+            return SinkKVCache.paged(self.model, self.pool, tables, self.window)
+        return PagedKVCache(self.pool, tables)
 
     # ---- offline ----
 

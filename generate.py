@@ -37,13 +37,14 @@ import torch
 import tp
 from cli import (DTYPES, FALLBACK_MODEL, THREADS_HELP, check_seed, check_text, default_model, pick_device,
                  pick_dtype, read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line)
-from decode import Session, check_request, fit_new_tokens, generate, generate_batch
+from decode import UNBOUNDED, Session, check_request, fit_new_tokens, generate, generate_batch
 from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
 from hffolder import generation_defaults
 from load import load_model, resolve_model_path
 from model import Transformer
 from quantize import describe, parse_mode, quantization_of, weight_bytes
 from sample import SamplingParams
+from sinks import SinkWindow
 import speculative
 from speculative import ModelDraft, PromptLookupDraft, SpecStats
 from step import COMPILE_HELP, COMPILE_MODES, COMPILE_PAYS_AFTER, DETERMINISTIC_HELP, Step, check_deterministic
@@ -156,6 +157,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantize-head", action="store_true", help="with --quantize: quantize the LM head too")
     p.add_argument("--kv-cache-dtype", default="model", choices=["model", "int8"],
                    help="KV cache storage: the model dtype, or int8 with a scale per token and head")
+    p.add_argument("--cache-window", type=int, default=None, metavar="W",
+                   help="a rolling KV cache of W slots (at most the model's context) keeping the first "
+                   "--sink-tokens positions and the latest W - S: generation and --interactive chats run past the "
+                   "context in constant memory (attention sinks, StreamingLLM; README, Attention sinks)")
+    p.add_argument("--sink-tokens", type=int, default=None, metavar="S",
+                   help="with --cache-window: the opening positions the cache never evicts (default 4; 0 evicts "
+                   "by window alone, which StreamingLLM shows breaks the model)")
     p.add_argument("--draft-model", default=None, metavar="M",
                    help="speculative decoding with draft model M (same tokenizer and vocab_size as --model)")
     p.add_argument("--draft-quantize", default=None, metavar="MODE",
@@ -265,12 +273,28 @@ def check_args(args: argparse.Namespace) -> SamplingParams:
                             constraint is not None), ("--tools", args.tools),
                            ("--prompts-file", args.prompts_file), ("--interactive", args.interactive),
                            ("--kv-cache-dtype int8", args.kv_cache_dtype != "model"),
+                           ("--cache-window", args.cache_window is not None),
                            ("tensor parallel (torchrun)", tp.launched())):
             if used:
                 raise ValueError(f"{flag} is not supported with speculative decoding")
     if tp.launched() and args.interactive:
         raise ValueError("tensor parallel (torchrun) does not support --interactive")
+    window_of(args)
     return params
+
+
+def window_of(args: argparse.Namespace) -> SinkWindow | None:
+    """--cache-window and --sink-tokens as the rolling cache's shape (None without one), checked but for the model's
+    context (decode.context_of checks that)."""
+    if args.cache_window is None:
+        if args.sink_tokens is not None:
+            raise ValueError("--sink-tokens needs --cache-window (the rolling cache the sinks stay in)")
+        return None
+    if args.ctx_size is not None:
+        raise ValueError("--cache-window lets a sequence run past the context; it cannot take --ctx-size")
+    window = SinkWindow(4 if args.sink_tokens is None else args.sink_tokens, args.cache_window)
+    window.check(UNBOUNDED)
+    return window
 
 
 def make_draft(args: argparse.Namespace, model: Transformer, path: str, device: torch.device, dtype: torch.dtype,
@@ -299,7 +323,11 @@ def checkpoint_sampling(args: argparse.Namespace, params: SamplingParams,
 
 def context_of(args: argparse.Namespace, model: Transformer) -> tuple[int, str]:
     """The tokens a sequence may fill (prompt and output; the KV cache holds no more) and how errors name it: the
-    model's context, or --ctx-size below it."""
+    model's context, or --ctx-size below it; unbounded with --cache-window (the cache rolls)."""
+    window = window_of(args)
+    if window is not None:
+        window.check(model.args.max_seq_len)
+        return UNBOUNDED, "the rolling cache's limit"
     if args.ctx_size is None:
         return model.args.max_seq_len, "the model's context"
     if args.ctx_size > model.args.max_seq_len:
@@ -352,6 +380,8 @@ def run(args: argparse.Namespace) -> None:
     where = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
     setup = f" | tensor parallel x{shard.world} (this rank's weights)" if shard is not None else ""
     setup += quantization_summary(model, args.kv_cache_dtype)
+    if args.cache_window is not None:
+        setup += f" | kv window {args.cache_window} ({window_of(args).sinks} sinks)"
     if args.ctx_size is not None:
         setup += f" | context {context}"
     if from_config:
@@ -372,7 +402,7 @@ def run(args: argparse.Namespace) -> None:
         n_new = new_tokens(args.max_new_tokens, max(map(len, prompts)), context, what)
         rows = generate_batch(model, prompts, max_new_tokens=n_new, params=params, generator=generator,
                               stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs,
-                              kv_dtype=args.kv_cache_dtype, grammar=grammar)
+                              kv_dtype=args.kv_cache_dtype, grammar=grammar, window=window_of(args))
         completions = complete_batch(rows, tokenizer, [len(p) for p in prompts], stop=args.stop)
         for n, c in enumerate(completions, 1):
             if args.json:
@@ -400,7 +430,7 @@ def run(args: argparse.Namespace) -> None:
         else:
             tokens = generate(model, prompt, max_new_tokens=n_new, params=params, generator=generator,
                               stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs,
-                              kv_dtype=args.kv_cache_dtype, grammar=grammar)
+                              kv_dtype=args.kv_cache_dtype, grammar=grammar, window=window_of(args))
         c, _, _ = reply(args, tokens, tokenizer, len(prompt), None, tools)
         if not args.json:
             print_logprobs(c, tokenizer, args.logprobs)
@@ -508,7 +538,7 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
     --tools, `/tool ID RESULT` answers the call ID; the model replies once every call of its last reply has its
     result."""
     context, what = context_of(args, model)
-    session = Session(model, context, kv_dtype=args.kv_cache_dtype)
+    session = Session(model, context, kv_dtype=args.kv_cache_dtype, window=window_of(args))
     for n in range(1, sys.maxsize):
         if turn is None:
             if sys.stdin.isatty():

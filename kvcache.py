@@ -101,6 +101,10 @@ class KVCache:
         assert max_seq_len <= args.max_seq_len, f"{max_seq_len} vs context {args.max_seq_len}"
         return cls(args.n_layers, batch_size, args.n_kv_heads, max_seq_len, args.head_dim, dtype, device, kv_dtype)
 
+    def positions(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions RoPE and the mask give the queries at input_pos and the S slots: slot j holds position j."""
+        return input_pos, torch.arange(self.max_seq_len, device=input_pos.device)
+
     @property
     def nbytes(self) -> int:
         """All buffers, int8 scales included."""
@@ -156,6 +160,8 @@ class PagedKVCache:
     def __init__(self, pool: BlockPool, block_tables: torch.Tensor):
         self.max_seq_len = block_tables.shape[1] * pool.block_size
         self.layers = [PagedLayer(k, v, block_tables, pool.block_size) for k, v in zip(pool.k, pool.v)]
+
+    positions = KVCache.positions
 
 
 class PagedLayer:

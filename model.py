@@ -221,8 +221,11 @@ class Attention(nn.Module):
         qk = qk.view(B, T, H + K, D)  # (B, T, H+K, D)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)  # (B, T, H+K, D)
-        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # (B, H+K, T, D): q and k in one go
-        q, k = qk.split([H, K], dim=1)  # (B, H, T, D), (B, K, T, D)
+        qk = qk.transpose(1, 2)  # (B, H+K, T, D)
+        if getattr(cache, "rotates_keys", False):  # keys stored before RoPE, rotated as read (sinks.SinkLayer)
+            q, k = apply_rope(qk[:, :H], cos, sin), qk[:, H:]  # (B, H, T, D), (B, K, T, D)
+        else:
+            q, k = apply_rope(qk, cos, sin).split([H, K], dim=1)  # q and k in one go: (B, H, T, D), (B, K, T, D)
         v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
         if cache is not None:
             k, v = cache.update(input_pos, k, v)  # (B, K, S, D): every slot, the mask hides unwritten ones
@@ -372,13 +375,15 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)  # (B, T, C)
         if self.args.embed_scale:  # Gemma: by sqrt(C) rounded to the activations' dtype, as transformers does
             x = x * torch.tensor(self.args.dim ** 0.5).to(x.dtype)
+        # The positions RoPE and the mask see: the queries' and each cache slot's (kvcache.KVCache.positions; a
+        # rolling cache, sinks.SinkKVCache, numbers its slots within its window).
+        q_pos, k_pos = (input_pos, input_pos) if cache is None else cache.positions(input_pos)
         # computed in float32, rounded to the activations' dtype once for every layer (as transformers does)
-        cos, sin = self.rope_cos[input_pos].to(x.dtype), self.rope_sin[input_pos].to(x.dtype)  # (T, D/2) or (B, T, D/2)
-        k_pos = input_pos if cache is None else torch.arange(cache.max_seq_len, device=tokens.device)
+        cos, sin = self.rope_cos[q_pos].to(x.dtype), self.rope_sin[q_pos].to(x.dtype)  # (T, D/2) or (B, T, D/2)
         if self.args.sliding_layers is None:
-            mask = attention_mask(input_pos, k_pos, self.args.sliding_window)  # (T, S) or (B, T, S)
+            mask = attention_mask(q_pos, k_pos, self.args.sliding_window)  # (T, S) or (B, T, S)
         else:  # Gemma 2: (full, windowed), each Block takes its own
-            mask = tuple(attention_mask(input_pos, k_pos, w) for w in (None, self.args.sliding_window))
+            mask = tuple(attention_mask(q_pos, k_pos, w) for w in (None, self.args.sliding_window))
         if input_pos.dim() == 2:  # broadcast over heads: (B, 1, T, .)
             cos, sin = cos[:, None], sin[:, None]
             mask = tuple(m[:, None] for m in mask) if isinstance(mask, tuple) else mask[:, None]

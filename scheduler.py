@@ -18,10 +18,12 @@ sequences share blocks in two ways: a prefix-cache hit (full blocks only, never 
 prompt's last block when that one is partial: that block is copied first, for each fork but the last holder
 (copy-on-write, as in PagedAttention), so no shared block is ever written.
 """
+import sys
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from kvcache import BlockPool
+from sinks import slot_of
 
 
 @dataclass
@@ -34,6 +36,12 @@ class EngineConfig:
     watermark: float = 0.01  # admit only while this share of the blocks would stay free
     prefix_caching: bool = True
     static_batching: bool = False  # admit only into an empty running set: the old way, for comparison
+    cache_window: int | None = None  # a rolling cache of this many slots per sequence (sinks.py); None: all of it
+    sink_tokens: int = 4  # with cache_window: the opening positions it keeps
+
+    def max_len(self, context: int) -> int:
+        """The positions a sequence may fill: the model's context; unbounded through a rolling cache."""
+        return context if self.cache_window is None else sys.maxsize
 
 
 @dataclass(eq=False)
@@ -58,13 +66,23 @@ def chain_hash(previous: int, tokens: tuple[int, ...]) -> int:
 class BlockManager:
     """Free blocks, reference counts and the prefix cache (hash -> block, with the block's tokens to verify)."""
 
-    def __init__(self, pool: BlockPool, prefix_caching: bool):
+    def __init__(self, pool: BlockPool, prefix_caching: bool, window: int | None = None, sinks: int = 0):
         self.pool, self.block_size, self.prefix_caching = pool, pool.block_size, prefix_caching
+        self.window, self.sinks = window, sinks  # a rolling cache (EngineConfig.cache_window): its blocks are a ring
         self.free: deque[int] = deque(range(1, pool.num_blocks))  # block 0 pads block tables
         self.refs = [0] * pool.num_blocks
         self.by_hash: dict[int, int] = {}  # chained hash -> block
         self.contents: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (its hash, its tokens)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest use first
+
+    def slots(self, n_positions: int) -> int:
+        """The slots n positions of a sequence take: n, or at most the window of a rolling cache."""
+        return n_positions if self.window is None else min(n_positions, self.window)
+
+    def chunk_limit(self, start: int) -> int:
+        """The most positions one forward from `start` may compute: a rolling cache's forward ends before its
+        window, or is one token (sinks.SinkKVCache.spans)."""
+        return sys.maxsize if self.window is None else max(1, self.window - start)
 
     def available(self) -> int:
         return len(self.free) + len(self.evictable)
@@ -89,14 +107,15 @@ class BlockManager:
     def computed(self, seq: Seq, n: int) -> None:
         """n more positions of seq hold keys/values: offer every block that just filled up to the prefix cache."""
         seq.n_computed += n
-        while len(seq.hashes) < seq.n_computed // self.block_size:
+        while self.window is None and len(seq.hashes) < seq.n_computed // self.block_size:  # a ring is rewritten
             h, tokens = self._next_hash(seq)
             seq.hashes.append(h)
             self._register(seq.blocks[len(seq.hashes) - 1], h, tokens)
 
     def grow(self, seq: Seq, n_positions: int) -> bool:
         """Give seq blocks of its own for positions seq.n_computed..n_positions-1; False if the pool ran out."""
-        i = seq.n_computed // self.block_size  # the block the next position is written into, if seq has it
+        slot = seq.n_computed if self.window is None else slot_of(seq.n_computed, self.sinks, self.window)
+        i = slot // self.block_size  # the block the next position is written into, if seq has it
         if i < len(seq.blocks) and self.refs[seq.blocks[i]] > 1:  # shared with a fork: copy on write
             block = self._allocate()
             if block is None:
@@ -104,7 +123,7 @@ class BlockManager:
             self.pool.copy_block(seq.blocks[i], block)
             self._release(seq.blocks[i])
             seq.blocks[i] = block
-        while len(seq.blocks) * self.block_size < n_positions:
+        while len(seq.blocks) * self.block_size < self.slots(n_positions):
             block = self._allocate()
             if block is None:
                 return False
@@ -207,7 +226,7 @@ class Scheduler:
         while self.waiting and slots + self.waiting[0].width <= cfg.max_running:
             seq = self.waiting[0]
             self.blocks.reuse_prefix(seq)
-            needed = -(-len(seq.tokens) // cfg.block_size) - len(seq.blocks)  # to hold what it has to compute
+            needed = -(-self.blocks.slots(len(seq.tokens)) // cfg.block_size) - len(seq.blocks)  # what it computes
             if self.running and self.blocks.available() - needed < reserve:
                 self.blocks.drop(seq)  # not admitted now: give back the prefix blocks it took
                 break
@@ -226,7 +245,7 @@ class Scheduler:
         for seq in self.running:
             need = len(seq.tokens) - seq.n_computed
             if need > 1 and budget > 0:
-                chunks.append((seq, min(need, budget)))
+                chunks.append((seq, min(need, budget, self.blocks.chunk_limit(seq.n_computed))))
                 budget -= chunks[-1][1]
         for seq, n in [(s, 1) for s in decodes] + chunks:
             while seq in self.running and not self.blocks.grow(seq, seq.n_computed + n):

@@ -64,6 +64,7 @@ from gate import (BACKLOG, LOCAL_HOSTS, Connections, Gate, GuardedH11Protocol, Q
                   use_file_descriptors)
 from grammar import Compiler, Constraint, Grammar
 from protocol import BadRequest, error_body, longest_token, parse_body, parse_detokenize, parse_json, parse_tokenize
+from sinks import SinkWindow
 from step import COMPILE_HELP, COMPILE_MODES, DETERMINISTIC_HELP, Step, check_deterministic
 from toolcalls import FORMATS
 
@@ -179,9 +180,11 @@ class Server:
         self.engine, self.tokenizer, self.model_name, self.config = engine, tokenizer, model_name, config
         self.metrics = Metrics()
         self.created = int(time.time())
-        # The most positions one sequence can take: the context, and all the KV blocks of the pool.
-        self.max_len = min(engine.model.args.max_seq_len, engine.stats()["blocks_total"] * engine.config.block_size,
-                           config.max_model_len or engine.model.args.max_seq_len)
+        # The most positions one sequence can take: the context, and all the KV blocks of the pool; through a rolling
+        # cache (--cache-window) --max-model-len alone, which may pass the context.
+        context = engine.model.args.max_seq_len
+        self.max_len = (config.max_model_len or context) if engine.config.cache_window is not None else \
+            min(context, engine.stats()["blocks_total"] * engine.config.block_size, config.max_model_len or context)
         self.names = (model_name, *config.aliases)
         self.max_chars = (self.max_len - 1) * longest_token(tokenizer)  # a longer prompt text surely does not fit
         self.open: dict[asyncio.Queue, list[int]] = {}  # the calls in flight: their engine requests
@@ -516,6 +519,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--token-budget", type=int, default=defaults.token_budget,
                    help="tokens computed per engine step (decodes plus prefill chunks), >= --max-running")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
+    p.add_argument("--cache-window", type=int, default=None, metavar="W",
+                   help="each sequence's KV cache rolls over W slots, keeping its first --sink-tokens positions "
+                   "(attention sinks, as generate.py): constant memory per sequence, and --max-model-len may pass "
+                   "the model's context; turns prefix caching off")
+    p.add_argument("--sink-tokens", type=int, default=None, metavar="S",
+                   help=f"with --cache-window: the opening positions never evicted (default {defaults.sink_tokens})")
     p.add_argument("--static-batching", action="store_true",
                    help="admit a new batch only when the running one has finished (for comparison)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
@@ -553,6 +562,11 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.deterministic:
         check_deterministic(args.compile, False)
+    if args.sink_tokens is not None and args.cache_window is None:
+        raise ValueError("--sink-tokens needs --cache-window (the rolling cache the sinks stay in)")
+    if args.cache_window is not None:
+        SinkWindow(EngineConfig.sink_tokens if args.sink_tokens is None else args.sink_tokens,
+                   args.cache_window).check(sys.maxsize)  # the model's context is checked by the engine
     if args.num_blocks != "auto" and args.num_blocks < 2:
         raise ValueError(f"--num-blocks must be >= 2 (block 0 only pads block tables), got {args.num_blocks}")
     if not 0 <= args.port < 65536:
@@ -572,7 +586,9 @@ def engine_config(args: argparse.Namespace, context: int) -> EngineConfig:
         num_blocks = max(EngineConfig.num_blocks, -(-context // args.block_size) + 1)
     return EngineConfig(block_size=args.block_size, num_blocks=num_blocks, max_running=args.max_running,
                         max_waiting=args.max_waiting, token_budget=args.token_budget,
-                        prefix_caching=not args.no_prefix_caching, static_batching=args.static_batching)
+                        prefix_caching=not args.no_prefix_caching and args.cache_window is None,
+                        static_batching=args.static_batching, cache_window=args.cache_window,
+                        sink_tokens=EngineConfig.sink_tokens if args.sink_tokens is None else args.sink_tokens)
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:

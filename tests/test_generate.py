@@ -551,9 +551,9 @@ def test_ctx_size_caps_the_context(capsys, cli_error, monkeypatch, tiny_text_dir
     sizes = []
     real_new_cache = decode.new_cache
 
-    def new_cache(model, batch_size, max_seq_len, kv_dtype="model"):
+    def new_cache(model, batch_size, max_seq_len, kv_dtype="model", window=None):
         sizes.append(max_seq_len)
-        return real_new_cache(model, batch_size, max_seq_len, kv_dtype)
+        return real_new_cache(model, batch_size, max_seq_len, kv_dtype, window)
 
     monkeypatch.setattr(decode, "new_cache", new_cache)
     monkeypatch.setattr(speculative, "new_cache", new_cache)

@@ -4,7 +4,7 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENTRY_POINTS = {"generate", "serve", "bench", "export", "quality", "loadtest"}  # parse flags, call the library
+ENTRY_POINTS = {"generate", "serve", "bench", "export", "quality", "loadtest", "streaming"}  # parse flags, call the library
 CLI = {"cli"}  # what the entry points share
 
 

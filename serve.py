@@ -669,7 +669,7 @@ def run(args: argparse.Namespace) -> None:
               f"{str(dtype).removeprefix('torch.')} ({dtype_why}) | API key {'required' if args.api_key else 'off'} "
               f"| {config} | {runs}", file=sys.stderr)
     # The engine steps on the main thread and uvicorn serves from another: here, torch's OpenMP-parallel ops
-    # ran several times slower when called from a thread other than the main one (README, Serving).
+    # ran several times slower when called from a thread other than the main one (SERVING.md, The engine).
     try:
         stopped = server.run_engine()  # until drain() stops it, or it fails (it printed why; requests got it)
     finally:

@@ -439,16 +439,21 @@ def swap_linears(model: nn.Module, mode: str, quantize_head: bool = False,
     return swapped
 
 
-def compiled_layouts(model: nn.Module) -> None:
-    """What a compiled CPU step runs int4 codes in: the words layout (gemv.py) where torch dispatches its AVX2 kernels
+def compiled_layouts(model: nn.Module, compiled: bool = True) -> None:
+    """What a CPU step runs int4 codes in. Compiled: the words layout (gemv.py) where torch dispatches its AVX2 kernels
     (read from torch, not CPUID, so ATEN_CPU_CAPABILITY=avx2 runs an AVX-512 machine as an AVX2 one), for every
-    Int4Linear whose padded inputs are a multiple of 64; torch's int4 kernel elsewhere. An eager step keeps torch's
-    kernel: the words layout runs as Inductor kernels, compiled per shape, which a short eager answer does not repay."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+    Int4Linear whose padded inputs are a multiple of 64; torch's int4 kernel elsewhere. Eager (compiled=False, also
+    after a compile failed): torch's kernel, as the words layout runs as Inductor kernels, compiled per shape, which a
+    short eager answer does not repay (and a machine that cannot compile cannot run)."""
+    if compiled and torch.backends.cpu.get_cpu_capability() != "AVX2":
         return
     for module in model.modules():
-        if isinstance(module, Int4Linear) and module.kernel == "cpu" and module.in_padded % gemv.SUPER == 0:
+        if not isinstance(module, Int4Linear):
+            continue
+        if compiled and module.kernel == "cpu" and module.in_padded % gemv.SUPER == 0:
             module.repack("words")
+        elif not compiled and module.kernel == "words":
+            module.repack("cpu")
 
 
 def head_is_quantized(model: nn.Module) -> bool:

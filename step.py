@@ -200,4 +200,5 @@ class Step:
                 raise ValueError(f"{compile_failure(e)}; run with --compile none") from None
             print(f"warning: {compile_failure(e)}; decoding without it", file=sys.stderr)
             self.mode, self.failed = "none", True
+            compiled_layouts(model, compiled=False)
         return eager(model, tokens, input_pos, cache, all_logits)

@@ -74,6 +74,8 @@ def test_compiled_layouts_picks_words_where_torch_dispatches_avx2(monkeypatch):
         q.compiled_layouts(model)
         # head_dim 24: o_proj's 96 inputs are not a multiple of 64, so it keeps torch's kernel
         assert {m.kernel for m in model.modules() if isinstance(m, q.Int4Linear)} == want, capability
+        q.compiled_layouts(model, compiled=False)  # an eager step, or one whose compile failed: torch's kernel
+        assert {m.kernel for m in model.modules() if isinstance(m, q.Int4Linear)} == {"cpu"}, capability
 
 
 def test_model_decodes_in_words_layout_as_in_plain_layout():

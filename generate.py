@@ -298,12 +298,13 @@ def window_of(args: argparse.Namespace) -> SinkWindow | None:
 
 
 def make_draft(args: argparse.Namespace, model: Transformer, path: str, device: torch.device, dtype: torch.dtype,
-               progress: bool) -> ModelDraft | PromptLookupDraft:
+               progress: bool, decode_steps: int | None) -> ModelDraft | PromptLookupDraft:
     """The draft the flags ask for: prompt lookup, --draft-model, or the target loaded again quantized."""
     if args.prompt_lookup:
         return PromptLookupDraft()
     draft, _ = load_model(args.draft_model or path, device, dtype, progress=progress, quantize=args.draft_quantize)
-    return ModelDraft(draft.eval(), model, Step(draft, args.compile, args.compile_prefill))  # run as the target is
+    step = Step(draft, args.compile, args.compile_prefill, decode_steps=decode_steps)  # run as the target is
+    return ModelDraft(draft.eval(), model, step)
 
 
 def checkpoint_sampling(args: argparse.Namespace, params: SamplingParams,
@@ -422,7 +423,7 @@ def run(args: argparse.Namespace) -> None:
         prompt, stats = prompts[0], None
         n_new = new_tokens(args.max_new_tokens, len(prompt), context, what)
         if speculating(args):  # the same tokens and distribution, up to --speculate-k tokens per target forward
-            draft = make_draft(args, model, path, device, dtype, progress)
+            draft = make_draft(args, model, path, device, dtype, progress, decode_steps)
             stats = SpecStats(args.speculate_k)
             tokens = speculative.generate(model, draft, prompt, max_new_tokens=n_new, params=params,
                                           generator=generator, stop_ids=tokenizer.eos_ids, k=args.speculate_k,

@@ -62,14 +62,6 @@ def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> torch.Te
     return acc.sum((1, 2)) + (s[..., 1] * group_sums).sum((1, 2))
 
 
-def dequantize(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(N, K/64, 8) words, (N, K/32, 2) scales -> the (N, K) float32 weight: what a product of many rows multiplies by."""
-    N, J, _ = words.shape
-    codes = torch.stack([(words >> (4 * b)) & 15 for b in range(8)], dim=2).float()  # (N, J, b, l)
-    s = scales.view(N, J, 2, 1, 2)  # (N, J, half, 1, [scale, code-0 value]): nibbles 0-3 and 4-7
-    return (codes.view(N, J, 2, 4, 8) * s[..., 0, None] + s[..., 1, None]).view(N, J * SUPER)
-
-
 @functools.cache
 def compiled(fn: Callable, shapes: tuple) -> Callable:
     """fn as one Inductor kernel for these argument shapes, for eager callers (a compiled step traces fn into its own
@@ -84,7 +76,7 @@ def compiled(fn: Callable, shapes: tuple) -> Callable:
 
 
 def run(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
-    """fn (gemv or dequantize), compiled: inside a graph being compiled, as ops of that graph; else as its own kernel."""
+    """fn (gemv), compiled: inside a graph being compiled, as ops of that graph; else as its own kernel."""
     if torch.compiler.is_compiling():
         return fn(*args)
     return compiled(fn, tuple(a.shape for a in args))(*args)

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gemv
-from model import DECODE_QUERIES, Parts
+from model import Parts
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels (tinygemm on CUDA, int4pack on CPU) accept
 DEFAULT_GROUP = 32  # on SmolLM2 (a Q4_1 GGUF, groups of 32) larger groups cost far more quality: see README
@@ -327,9 +327,8 @@ class Int4Linear(Parts, nn.Module):
         """x2 (M, K padded) -> (M, N padded) through this layout's kernel."""
         if self.kernel != "words":
             return self._kernel_mm(x2, self.scales_and_zeros)
-        if x2.shape[0] > DECODE_QUERIES:  # prefill: a float32 matmul, compute-bound
-            return F.linear(x2, gemv.run(gemv.dequantize, self.weight, self.kernel_scales).to(x2.dtype))
-        # decode steps and verifies row by row, so that each row's bits are a one-row step's
+        # Row by row, prefill too, so that each row's bits are a one-row step's whatever the row count: greedy is then
+        # greedy across batches, verifies and prefill lengths, as torch's kernel (which computes each row alone) is.
         return torch.stack([gemv.run(gemv.gemv, row, self.weight, self.kernel_scales) for row in x2]).to(x2.dtype)
 
     def repack(self, kernel: str | None) -> None:

@@ -1,4 +1,4 @@
-"""The AVX2 "words" layout of Int4Linear (gemv.py): exact packing, the one-row product and the dequantized weight
+"""The AVX2 "words" layout of Int4Linear (gemv.py): exact packing, the one-row product
 against the plain reference, and a whole model decoding in it as in the plain layout. It runs on any CPU (a compiled
 step chooses it where torch dispatches AVX2; here it is forced), so CI on AVX-512 checks it too."""
 import pytest
@@ -21,8 +21,8 @@ def test_pack_unpack_words_round_trip():
 
 
 @pytest.mark.parametrize("group", q.GROUP_SIZES)
-def test_gemv_and_dequantize_equal_the_plain_weight(group):
-    """The weight the layout multiplies by is the plain layout's (code - 8) * scale + zero, and gemv is that matrix
+def test_gemv_multiplies_by_the_plain_weight(group):
+    """gemv multiplies by the plain layout's weight, (code - 8) * scale + zero: that matrix
     times x within float32 summation order (every code, both extremes, in every nibble position)."""
     torch.manual_seed(0)
     n, k = 48, 512
@@ -31,7 +31,6 @@ def test_gemv_and_dequantize_equal_the_plain_weight(group):
     scales_and_zeros = (torch.randn(k // group, n, 2) * 0.1).to(torch.bfloat16)
     w = q.dequantize_int4(codes, scales_and_zeros)  # (N, K)
     words, scales = gemv.pack_words(codes), gemv.half_group_scales(scales_and_zeros, group)
-    torch.testing.assert_close(gemv.dequantize(words, scales), w, rtol=0, atol=1e-6)
     x = torch.randn(k)
     torch.testing.assert_close(gemv.gemv(x, words, scales), w @ x, rtol=1e-5, atol=1e-5)
 
@@ -46,16 +45,14 @@ def test_compiled_gemv_equals_eager():
     x = torch.randn(576)
     torch.testing.assert_close(gemv.run(gemv.gemv, x, words, scales), gemv.gemv(x, words, scales),
                                rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gemv.run(gemv.dequantize, words, scales), gemv.dequantize(words, scales),
-                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("n, k", [(64, 64), (40, 128), (17, 576)])
-@pytest.mark.parametrize("rows", [1, 5, 20])  # 20: more than a verify, the dequantized matmul
+@pytest.mark.parametrize("rows", [1, 5, 20])
 def test_int4_linear_in_words_layout_matches_reference(n, k, rows):
     """Int4Linear in the words layout: the same codes read back, a state dict in the plain layout, and outputs
-    equal to F.linear with dequantize() for a row and a verify's rows (gemv, row by row) and a prefill's (the
-    dequantized matmul)."""
+    equal to F.linear with dequantize() for one row and several (gemv, row by row), and each row's bits are the same
+    whatever rows it comes with."""
     linear, module = quantized_linear("int4:32", n, k)
     module.repack("words")
     assert module.kernel == "words"
@@ -63,6 +60,7 @@ def test_int4_linear_in_words_layout_matches_reference(n, k, rows):
     assert torch.equal(module.state_dict()["weight"], plain)
     x = torch.randn(rows, k)
     torch.testing.assert_close(module(x), F.linear(x, module.dequantize()), rtol=1e-5, atol=1e-5)
+    assert torch.equal(module(x)[-1:], module(x[-1:]))
 
 
 def test_compiled_layouts_picks_words_where_torch_dispatches_avx2(monkeypatch):

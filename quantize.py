@@ -439,7 +439,9 @@ def swap_linears(model: nn.Module, mode: str, quantize_head: bool = False,
 
 
 def compiled_layouts(model: nn.Module, compiled: bool = True) -> None:
-    """What a CPU step runs int4 codes in. Compiled: the words layout (gemv.py) where torch dispatches its AVX2 kernels
+    """Opt-in, not chosen by any step yet: the words layout runs each row alone (a row's bits are a one-row step's),
+    which a compiled verify graph, its token count symbolic, cannot unroll; `auto` needs a batched kernel with one-row
+    bits first (README, Benchmarks). Compiled: the words layout (gemv.py) where torch dispatches its AVX2 kernels
     (read from torch, not CPUID, so ATEN_CPU_CAPABILITY=avx2 runs an AVX-512 machine as an AVX2 one), for every
     Int4Linear whose padded inputs are a multiple of 64; torch's int4 kernel elsewhere. Eager (compiled=False, also
     after a compile failed): torch's kernel, as the words layout runs as Inductor kernels, compiled per shape, which a

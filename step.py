@@ -19,7 +19,7 @@ import torch
 from invariant import BatchInvariant
 from kvcache import KVCache
 from model import DECODE_QUERIES, Block, Transformer
-from quantize import Int8Linear, compiled_layouts
+from quantize import Int8Linear
 
 COMPILE_MODES = ("auto", "none", "blocks", "full")
 # The decode steps after which compiling the blocks saves more than it costs on CPU: 2-6 s to compile with a warm
@@ -155,8 +155,6 @@ class Step:
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
         # first compile (README, Benchmarks).
         options = {"cpp_wrapper": True, **vector_width(model)} if cpu and self.mode != "none" else {}  # Inductor: 3 s
-        if cpu and self.mode != "none":
-            compiled_layouts(model)
         if self.mode == "blocks":
             # Dynamo keeps its graphs on the code object, guarded on the module types (those guards stay): every
             # layer of this model shares one graph. A code object of its own per Step keeps another model's graphs,
@@ -200,5 +198,4 @@ class Step:
                 raise ValueError(f"{compile_failure(e)}; run with --compile none") from None
             print(f"warning: {compile_failure(e)}; decoding without it", file=sys.stderr)
             self.mode, self.failed = "none", True
-            compiled_layouts(model, compiled=False)
         return eager(model, tokens, input_pos, cache, all_logits)

@@ -287,7 +287,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--compile", nargs="?", const="full", default="auto", choices=COMPILE_MODES,
-                   help="how the decode step runs, as generate.py --compile (default auto: for --new-tokens as generate.py)")
+                   help="how the decode step runs, as generate.py --compile (default auto: as generate.py would for "
+                   "--new-tokens)")
     p.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     p.add_argument("--quantize", default=None, metavar="MODE", help="int8, int4, int4:GROUP or none (as generate.py)")
     p.add_argument("--quantize-head", action="store_true", help="with --quantize: the LM head too")

@@ -4,7 +4,8 @@ There, torch's int4 kernel streams weights at about half the speed it reaches wi
 for a uint8 weight loads 8 bytes at a time through a stack buffer (a partial vector): both lose to a float32 matmul.
 This layout makes every weight load a whole 256-bit vector and every activation load 8 consecutive floats, and lets
 Inductor write the rest (shift, mask, convert, multiply-add), in float32: the file's weights exactly, in a float32
-model's precision (README, Benchmarks).
+model's precision (README, Benchmarks). Opt-in (quantize.compiled_layouts): rows run one at a time, so that each
+has a one-row step's bits, which a compiled verify graph with a symbolic token count cannot unroll.
 
 Layout: codes (N, K) in [0, 15], K a multiple of 64, as int32 words (N, K/64, 8): nibble b of word l in super-block
 j holds column 64j + 8b + l. Scales (N, K/32, 2): [scale, value of code 0] for each 32 columns.

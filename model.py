@@ -338,7 +338,8 @@ class Transformer(nn.Module):
         self.args = args
         # nn.Embedding's own init on the meta device (where loaders build the model) would import torch._dynamo: 1.6 s
         weight = torch.empty(args.vocab_size, args.dim)  # (V, C)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, _weight=weight if weight.is_meta else weight.normal_())
+        weight = weight if weight.is_meta else weight.normal_()  # nn.Embedding's own init, N(0, 1)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, _weight=weight)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
         self.lm_head = Linear(args.dim, args.vocab_size)

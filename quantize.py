@@ -110,8 +110,8 @@ INT4_MM = {"cpu": getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None),
 
 
 def int4_kernel(device: torch.device) -> str | None:
-    """'cpu' (int4pack_mm_for_cpu), 'cuda' (tinygemm, sm80+) or None (dequantize-then-matmul). A compiled CPU step
-    may move modules to 'words' (gemv.py): compiled_layouts."""
+    """'cpu' (int4pack_mm_for_cpu), 'cuda' (tinygemm, sm80+) or None (dequantize-then-matmul). compiled_layouts
+    moves modules to 'words' (gemv.py, opt-in)."""
     if device.type == "cpu" and INT4_MM["cpu"] is not None:
         return "cpu"
     if device.type == "cuda" and INT4_MM["cuda"] is not None and torch.cuda.get_device_capability(device)[0] >= 8:
@@ -211,7 +211,8 @@ class Int4Linear(Parts, nn.Module):
         self.bias = float_bias(out_features, dtype, device) if bias else None  # (N,), not padded
         self.register_buffer("kernel_scales", None, persistent=False)  # the words layout's (gemv.half_group_scales)
         # (K,), given with the codes (a meta placeholder until then: the first part to come sets it); None: no order
-        self.register_buffer("in_perm", torch.empty(in_features, dtype=torch.int64, device="meta") if act_order else None)
+        perm = torch.empty(in_features, dtype=torch.int64, device="meta") if act_order else None
+        self.register_buffer("in_perm", perm)
 
     def quantize_weight(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """The plain buffers (weight, scales_and_zeros) for float weight w (N, K): this module's, or one part's

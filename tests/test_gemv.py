@@ -1,6 +1,6 @@
-"""The AVX2 "words" layout of Int4Linear (gemv.py): exact packing, the one-row product
-against the plain reference, and a whole model decoding in it as in the plain layout. It runs on any CPU (a compiled
-step chooses it where torch dispatches AVX2; here it is forced), so CI on AVX-512 checks it too."""
+"""The AVX2 "words" layout of Int4Linear (gemv.py): exact packing, the one-row product against the plain reference,
+and a whole model decoding in it as in the plain layout. It runs on any CPU (compiled_layouts chooses it where torch
+dispatches AVX2; here it is forced), so CI on AVX-512 checks it too."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,7 +64,7 @@ def test_int4_linear_in_words_layout_matches_reference(n, k, rows):
 
 
 def test_compiled_layouts_picks_words_where_torch_dispatches_avx2(monkeypatch):
-    """What a compiled CPU step runs: the words layout on AVX2 (where the inputs are a multiple of 64), torch's
+    """compiled_layouts: the words layout on AVX2 (where the inputs are a multiple of 64), torch's
     kernel on AVX-512."""
     for capability, want in (("AVX2", {"words", "cpu"}), ("AVX512", {"cpu"})):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)

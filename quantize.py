@@ -349,7 +349,7 @@ class Int4Linear(Parts, nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         if self.kernel is not None:  # back to a plain buffer that the incoming plain bytes can be copied into
-            self.weight, self.kernel, self.kernel_scales = pack_int4(self.codes()), None, None
+            self.repack(None)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.scales_and_zeros = self.scales_and_zeros.to(KERNEL_DTYPE)  # a loader may have cast it (exactly)
         self.pack_for_kernel()

@@ -31,7 +31,8 @@ F16_FIELDS = {"Q4_K": ((0, 2), 63 * 15), "Q5_K": ((0, 2), 63 * 31), "Q6_K": ((20
 
 
 def llama_quantize() -> str | None:
-    peer = os.path.join(os.environ.get("PEER", "/tmp/llama-peer"), "bin", "llama-quantize")
+    # PEER: the folder ../shared/tools/llama_cpp_peer.sh builds into, as that tool is run (no machine path here)
+    peer = os.path.join(os.environ["PEER"], "bin", "llama-quantize") if "PEER" in os.environ else ""
     found = os.environ.get("LLAMA_QUANTIZE") or shutil.which("llama-quantize") or peer
     return found if os.path.isfile(found) else None
 

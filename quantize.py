@@ -4,7 +4,8 @@ two 4-bit codes per byte), swapped in for nn.Linear.
 Shape legend: N out_features, K in_features, G group size, M rows of activations (batch x tokens).
 Decode reads every weight once per token, so fewer bytes per weight is faster decode; what that costs in
 quality is measured (quality.py), not assumed. Each module has a native kernel path where torch has one
-and a plain dequantize-then-matmul path (`dequantize()`) that the tests hold the kernels to.
+(kernels.py: which kernel, and the int4 layouts they read) and a plain dequantize-then-matmul path (`dequantize()`)
+that the tests hold the kernels to.
 Writing a quantized checkpoint is export.py's; reading one is load.py's.
 """
 
@@ -13,6 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gemv
+from kernels import (KERNEL_DTYPE, ROW_BLOCK, int4_kernel, int4_mm, int8_kernel, layout_codes, pack_int4, to_layout,
+                     unpack_int4)
 from model import Parts
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels (tinygemm on CUDA, int4pack on CPU) accept
@@ -20,11 +23,6 @@ DEFAULT_GROUP = 32  # on SmolLM2 (a Q4_1 GGUF, groups of 32) larger groups cost 
 MODES_HELP = f"int8, int4 (group {DEFAULT_GROUP}) or int4:GROUP with GROUP in {', '.join(map(str, GROUP_SIZES))}"
 N_MULTIPLE = 16  # the CPU int4 packer works on blocks of 16 output rows
 INT8_K_MULTIPLE = 16  # the CPU int8 kernel reads bf16 activations in 16-wide tiles (wrong results otherwise)
-# The CPU kernels are vectorized for bfloat16 only (float32 takes a scalar loop, slower than a float32 matmul),
-# so on CPU they run with bf16 activations whatever the model dtype (then faster than a float32 matmul at any
-# row count, prefill included); int4 scales and zeros are bf16 always, as in gpt-fast.
-KERNEL_DTYPE = torch.bfloat16
-ROW_BLOCK = 4096  # rows quantized at a time: a large embedding's float32 temporaries would set the peak memory
 
 
 def parse_mode(mode: str) -> tuple[str, int | None]:
@@ -92,43 +90,6 @@ def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torc
     return w.sub_(8).mul_(s.float()[..., None]).add_(z.float()[..., None]).view(N, K)
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """(N, K) uint8 codes in [0, 15] -> (N, K/2) bytes: even k in the low nibble, odd k in the high one."""
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of pack_int4: (N, K/2) bytes -> (N, K) codes."""
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1)  # (N, K/2, 2) -> (N, K)
-
-
-# ---- kernels: which one a device gets ----
-
-# the int4 kernel of each layout Int4Linear.kernel names (None where this torch lacks it)
-INT4_MM = {"cpu": getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None),
-           "cuda": getattr(torch.ops.aten, "_weight_int4pack_mm", None)}
-
-
-def int4_kernel(device: torch.device) -> str | None:
-    """'cpu' (int4pack_mm_for_cpu), 'cuda' (tinygemm, sm80+) or None (dequantize-then-matmul). compiled_layouts
-    moves modules to 'words' (gemv.py, opt-in)."""
-    if device.type == "cpu" and INT4_MM["cpu"] is not None:
-        return "cpu"
-    if device.type == "cuda" and INT4_MM["cuda"] is not None and torch.cuda.get_device_capability(device)[0] >= 8:
-        return "cuda"
-    return None
-
-
-def int8_kernel(device: torch.device) -> str | None:
-    """'cpu' (_weight_int8pack_mm) or None: on CUDA the matmul with an int8 -> dtype cast in front (gpt-fast's
-    formulation, which torch.compile fuses) is the fast path."""
-    return "cpu" if device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm") else None
-
-
-def cuda_inner_k_tiles(k: int) -> int:
-    return 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2  # K is a multiple of G >= 32
-
-
 class Int8Linear(Parts, nn.Module):
     """y = x @ (codes * scales)^T with int8 codes (N, K) and one symmetric scale per output channel.
     parts: the checkpoint tensors it fuses (model.Parts), as the Linear it replaces."""
@@ -187,7 +148,7 @@ class Int4Linear(Parts, nn.Module):
     """y = x @ W^T with W stored as 4-bit codes, two per byte, and a (scale, zero) pair per group of G inputs.
     K is padded to a multiple of G and N to a multiple of 16 (zero rows/columns) so every kernel takes them.
 
-    `weight` holds the (N, K/2) bytes in the layout of the kernel the device uses (see int4_kernel); the state
+    `weight` holds the (N, K/2) bytes in the layout of the kernel the device uses (kernels.py); the state
     dict always has the plain pack_int4 layout, so checkpoints do not depend on the machine that wrote them.
     A part (model.Parts) is stored as an Int4Linear of its own shape stores it: padded to 16 rows.
     act_order: column i of the codes is input in_perm[i] (GPTQ's act-order groups made contiguous at load); the
@@ -273,44 +234,18 @@ class Int4Linear(Parts, nn.Module):
         if self.kernel is not None or self.weight.device.type == "meta":
             return
         kernel = kernel or int4_kernel(self.weight.device)
-        if kernel == "words":
-            self.weight = gemv.pack_words(unpack_int4(self.weight))  # (N, K/64, 8) int32
-            self.kernel_scales = gemv.half_group_scales(self.scales_and_zeros, self.group_size)
-        elif kernel == "cpu":  # it packs each block of 16 rows on its own, so blocks of rows keep int32 copies small
-            self.weight = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                unpack_int4(rows).to(torch.int32), 1) for rows in self.weight.split(ROW_BLOCK)])
-        elif kernel == "cuda":
-            codes = unpack_int4(self.weight)  # (N, K)
-            high_first = (codes[:, 0::2] << 4) | codes[:, 1::2]  # the CUDA packer wants even k in the high nibble
-            self.weight = torch.ops.aten._convert_weight_to_int4pack(high_first, cuda_inner_k_tiles(self.in_padded))
+        if kernel is not None:
+            self.weight, self.kernel_scales = to_layout(self.weight, kernel, self.scales_and_zeros, self.group_size)
         self.kernel = kernel
 
     def codes(self) -> torch.Tensor:
         """The (N, K) codes, padding included, read back from whichever layout `weight` is in."""
-        if self.kernel is None:
-            return unpack_int4(self.weight)
-        if self.kernel == "words":
-            return gemv.unpack_words(self.weight)
-        # The kernel reads its own layout: with scale 1 and zero 8 it computes identity @ (codes - 8 + 8)^T,
-        # exactly (small integers, one non-zero product per sum, all exact in bf16).
-        eye = torch.eye(self.in_padded, dtype=KERNEL_DTYPE, device=self.weight.device)  # (K, K)
-        unit = torch.tensor([1.0, 8.0], dtype=KERNEL_DTYPE, device=self.weight.device)
-        unit = unit.expand(self.in_padded // self.group_size, self.out_padded, 2).contiguous()  # (K/G, N, 2)
-        y = self._kernel_mm(eye, unit)  # (K, N)
-        return y.t().round().to(torch.uint8)  # (N, K)
+        return layout_codes(self.weight, self.kernel, (self.out_padded, self.in_padded), self.group_size)
 
     def dequantize(self) -> torch.Tensor:
         """The (N, K) float32 weight this module multiplies by: the reference path."""
         w = dequantize_int4(self.codes(), self.scales_and_zeros)[:self.out_features, :self.in_features]
         return w if self.in_perm is None else unpermute_columns(w, self.in_perm)
-
-    def _kernel_mm(self, x2: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-        # tinygemm (CUDA) takes bf16 only, the CPU kernel is fast in bf16 only: cast around them. A bf16 decode
-        # step calls this 120 times (SmolLM2), so the casts that would do nothing are not called at all.
-        mm = INT4_MM[self.kernel]
-        if x2.dtype == KERNEL_DTYPE:
-            return mm(x2.contiguous(), self.weight, self.group_size, scales_and_zeros)
-        return mm(x2.to(KERNEL_DTYPE).contiguous(), self.weight, self.group_size, scales_and_zeros).to(x2.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (M, K)
@@ -318,19 +253,12 @@ class Int4Linear(Parts, nn.Module):
             y = F.linear(x2, self.dequantize().to(x.dtype))  # (M, N)
         else:
             x2 = x2 if self.in_perm is None else x2.index_select(1, self.in_perm)  # (M, K) in the codes' order
-            y = self._kernel_forward(pad_columns(x2, self.in_padded))  # (M, N padded)
+            scales = self.kernel_scales if self.kernel == "words" else self.scales_and_zeros
+            y = int4_mm(self.kernel, pad_columns(x2, self.in_padded), self.weight, self.group_size, scales)  # (M, N pad)
             if self.out_padded != self.out_features:
                 y = y[:, :self.out_features]  # (M, N)
         y = y if self.bias is None else y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)  # (..., N)
-
-    def _kernel_forward(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 (M, K padded) -> (M, N padded) through this layout's kernel."""
-        if self.kernel != "words":
-            return self._kernel_mm(x2, self.scales_and_zeros)
-        # Row by row, prefill too, so that each row's bits are a one-row step's whatever the row count: greedy is then
-        # greedy across batches, verifies and prefill lengths, as torch's kernel (which computes each row alone) is.
-        return torch.stack([gemv.run(gemv.gemv, row, self.weight, self.kernel_scales) for row in x2]).to(x2.dtype)
 
     def repack(self, kernel: str | None) -> None:
         """The same codes in another kernel's layout (None: the plain one)."""

@@ -101,7 +101,7 @@ def test_compiled_blocks_decode_matches_eager(name):
 
 def test_phi3_checkpoint_is_stored_fused():
     """Phi-3's qkv_proj and gate_up_proj are its checkpoint's own tensors, taken as they are."""
-    from load import checkpoint_shapes
+    from checkpoint import checkpoint_shapes
 
     ours = hf_to_ours(make_hf("phi3-longrope"))
     shapes = checkpoint_shapes(ours)

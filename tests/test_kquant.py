@@ -17,8 +17,9 @@ import torch
 import torch.nn as nn
 
 import quantize as q
+from checkpoint import checkpoint_modules
 from gguffile import GGUF_BLOCK_NAMES, int4_blocks, read_gguf, unpermute_qk
-from load import checkpoint_modules, load_model
+from load import load_model
 from tiny_models import llama_gguf_writer
 
 BF16_U = 2.0 ** -8  # bf16 unit roundoff: |bf16(x) - x| <= 2^-8 |x|

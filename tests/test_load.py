@@ -74,14 +74,14 @@ def test_wrong_shape(single_file):
 
 def test_final_check_names_what_was_not_filled(single_file, monkeypatch):
     """Strict loading's last check, against a loader that skips a tensor or fills one twice: the error names it."""
-    import load
+    import checkpoint
 
     folder, _ = single_file
-    put = load.Filler.put
-    monkeypatch.setattr(load.Filler, "put", lambda self, name, t: name == "norm.weight" or put(self, name, t))
+    put = checkpoint.Filler.put
+    monkeypatch.setattr(checkpoint.Filler, "put", lambda self, name, t: name == "norm.weight" or put(self, name, t))
     with pytest.raises(ValueError, match=r"missing \['norm.weight'\], still on the meta device \['norm.weight'\]"):
         load_model(str(folder), "cpu", torch.float32)
-    monkeypatch.setattr(load.Filler, "put", lambda self, name, t: [put(self, name, t) for _ in range(2)])
+    monkeypatch.setattr(checkpoint.Filler, "put", lambda self, name, t: [put(self, name, t) for _ in range(2)])
     with pytest.raises(ValueError, match=r"tensor lm_head.weight filled twice"):  # the file's first
         load_model(str(folder), "cpu", torch.float32)
 
@@ -232,7 +232,7 @@ def test_fused_projections_split_and_join_back(mode):
     separate q/k/v and gate/up products."""
     import torch.nn.functional as F
 
-    from load import checkpoint_state, load_state
+    from checkpoint import checkpoint_state, load_state
     from model import ModelArgs, Transformer
     from quantize import quantize_model, swap_linears
 

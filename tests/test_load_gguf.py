@@ -9,9 +9,10 @@ import torch
 import torch.nn as nn
 
 import quantize as q
+from checkpoint import checkpoint_modules
 from kvcache import KVCache
 from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, unpermute_qk
-from load import checkpoint_modules, load_model
+from load import load_model
 from tiny_models import greedy_ids, llama_cpp_permute, llama_gguf_writer
 
 BF16_U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits): |bf16(x) - x| <= 2^-8 |x|

@@ -10,8 +10,9 @@ import torch.multiprocessing as mp
 
 import quantize as q
 import tp
+from checkpoint import checkpoint_shapes
 from helpers import run_py
-from load import checkpoint_shapes, load_model
+from load import load_model
 from model import ModelArgs
 from tiny_models import greedy_ids
 

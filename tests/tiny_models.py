@@ -6,7 +6,7 @@ import torch
 
 from decode import generate
 from hffolder import tensor_names
-from load import load_state
+from checkpoint import load_state
 from model import ModelArgs, Transformer
 from sample import SamplingParams
 

@@ -208,6 +208,25 @@ def generate(
         pos += 1
 
 
+def prefill_rows(model: Transformer, step: Step, prompts: list[list[int]], limits: list[int],
+                 cache: KVCache | SinkKVCache, kv_dtype: str, window: SinkWindow | None) -> torch.Tensor:
+    """Prefill each prompt into its row of the batch cache; the (B, V) logits after each.
+    Each prompt is prefilled alone, in a cache of the size it has alone (limits[b]), and its keys and values are copied
+    into its row: every row then holds exactly what the prompt alone would (a padded forward's attention would round
+    differently), and the decode steps compute each row as a one-row step does (README, Exactness). Prefill is
+    compute-bound: one forward per prompt costs what one padded forward would."""
+    device = model.embed_tokens.weight.device
+    last = []
+    for b, prompt in enumerate(prompts):
+        alone = new_cache(model, 1, limits[b], kv_dtype, window)
+        n = min(len(prompt), alone.max_seq_len)  # the slots written (a rolling cache's slot of a position is fixed)
+        last.append(prefill(step, prompt, 0, alone, device))  # (1, V)
+        for row_layer, batch_layer in zip(alone.layers, cache.layers):
+            for a, c in zip(row_layer.buffers(), batch_layer.buffers()):
+                c[b, :, :n] = a[0, :, :n]  # (K, n, D or 1)
+    return torch.cat(last)  # (B, V)
+
+
 @torch.inference_mode()
 def generate_batch(
     model: Transformer,
@@ -240,19 +259,7 @@ def generate_batch(
     seen, generated = penalty_state(params, prompts, model)
     matchers = None if grammar is None else [grammar.matcher() for _ in prompts]
 
-    # Each prompt is prefilled alone, in a cache of the size it has alone, and its keys and values are copied into
-    # its row of the batch cache: every row then holds exactly what the prompt alone would (a padded forward's
-    # attention would round differently), and the decode steps compute each row as a one-row step does (README,
-    # Exactness). Prefill is compute-bound: one forward per prompt costs what one padded forward would.
-    last = []
-    for b, prompt in enumerate(prompts):
-        alone = new_cache(model, 1, limits[b], kv_dtype, window)
-        n = min(len(prompt), alone.max_seq_len)  # the slots written (a rolling cache's slot of a position is fixed)
-        last.append(prefill(step, prompt, 0, alone, device))  # (1, V)
-        for row_layer, batch_layer in zip(alone.layers, cache.layers):
-            for a, c in zip(row_layer.buffers(), batch_layer.buffers()):
-                c[b, :, :n] = a[0, :, :n]  # (K, n, D or 1)
-    logits = torch.cat(last)  # (B, V)
+    logits = prefill_rows(model, step, prompts, limits, cache, kv_dtype, window)  # (B, V)
     pos = torch.tensor(lengths, device=device)  # (B,) the position each row's next token is fed at
     done = [False] * B
     for n_new in range(1, max_new_tokens + 1):

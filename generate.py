@@ -404,21 +404,8 @@ def run(args: argparse.Namespace) -> None:
         rows = generate_batch(model, prompts, max_new_tokens=n_new, params=params, generator=generator,
                               stop_ids=tokenizer.eos_ids, step=step, logprobs=args.logprobs,
                               kv_dtype=args.kv_cache_dtype, grammar=grammar, window=window_of(args))
-        completions = complete_batch(rows, tokenizer, [len(p) for p in prompts], stop=args.stop)
-        for n, c in enumerate(completions, 1):
-            if args.json:
-                print(json.dumps(completion_json(c, tokenizer), ensure_ascii=False), flush=True)
-            else:
-                print(f"=== {n} ===\n{c.text}", flush=True)
-                print_logprobs(c, tokenizer, args.logprobs)
-        if not args.quiet:
-            first = completions[0]
-            n_new = sum(len(c.tokens) for c in completions)
-            decode_tps = (n_new - len(completions)) / (first.total_s - first.ttft_s) if n_new > len(completions) \
-                else float("nan")
-            print(f"prompts {len(completions)} | prompt tokens {sum(c.prompt_tokens for c in completions)} | "
-                  f"generated tokens {n_new} | TTFT {first.ttft_s * 1000:.0f} ms | decode {decode_tps:.1f} tokens/s "
-                  f"(all rows) | {setup_line()}", file=sys.stderr)
+        print_batch(args, complete_batch(rows, tokenizer, [len(p) for p in prompts], stop=args.stop), tokenizer,
+                    setup_line)
     else:
         prompt, stats = prompts[0], None
         n_new = new_tokens(args.max_new_tokens, len(prompt), context, what)
@@ -439,6 +426,25 @@ def run(args: argparse.Namespace) -> None:
             print(f"{summary(c, step.mode != 'none')} | {setup_line()}", file=sys.stderr)
             if stats is not None:
                 print(stats.report(), file=sys.stderr)
+
+
+def print_batch(args: argparse.Namespace, completions: list[Completion], tokenizer,
+                setup_line: Callable[[], str]) -> None:
+    """--prompts-file's answers in order (text or --json lines), then one summary line for the batch."""
+    for n, c in enumerate(completions, 1):
+        if args.json:
+            print(json.dumps(completion_json(c, tokenizer), ensure_ascii=False), flush=True)
+        else:
+            print(f"=== {n} ===\n{c.text}", flush=True)
+            print_logprobs(c, tokenizer, args.logprobs)
+    if not args.quiet:
+        first = completions[0]
+        n_new = sum(len(c.tokens) for c in completions)
+        decode_tps = (n_new - len(completions)) / (first.total_s - first.ttft_s) if n_new > len(completions) \
+            else float("nan")
+        print(f"prompts {len(completions)} | prompt tokens {sum(c.prompt_tokens for c in completions)} | "
+              f"generated tokens {n_new} | TTFT {first.ttft_s * 1000:.0f} ms | decode {decode_tps:.1f} tokens/s "
+              f"(all rows) | {setup_line()}", file=sys.stderr)
 
 
 def chat_tokens(tokenizer, messages: list[dict], tools: ToolRequest | None = None) -> list[int]:

@@ -52,6 +52,21 @@ def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     return n, target_argmax.gather(-1, n[:, None])[:, 0]
 
 
+def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, params: SamplingParams,
+           generator: torch.Generator | None) -> tuple[int, int]:
+    """One verify's rule for one sequence: target logits (k'+1, V) after the last token and each draft, the drafts
+    (k') and their q (k', V; None for a deterministic proposal) -> (drafts accepted, the token after them)."""
+    draft_t = torch.tensor([drafts], dtype=torch.long, device=logits.device)  # (1, k')
+    if params.temperature == 0:
+        n, nxt = verify_greedy(logits.argmax(dim=-1)[None], draft_t)
+    else:
+        p = logits_to_probs(logits, params)[None]  # (1, k'+1, V)
+        if q is None:  # a deterministic proposal: q is one-hot on the drafted tokens
+            q = torch.nn.functional.one_hot(draft_t[0], p.shape[-1]).to(p.dtype)  # (k', V)
+        n, nxt = verify(p, q[None], draft_t, generator)
+    return n.item(), nxt.item()
+
+
 class ModelDraft:
     """A draft model with its own KV cache: a smaller model sharing the target's tokenizer, or the target
     re-loaded quantized (self-draft). It samples k tokens autoregressively and returns their q rows."""
@@ -202,7 +217,6 @@ def generate(
     step = check_step(step, model)
     cache = new_cache(model, 1, max_seq)
     draft.start(max_seq)
-    greedy = params.temperature == 0
 
     def target_logits(logits: torch.Tensor, n_generated: int) -> torch.Tensor:
         """(T, V) target logits, row i after n_generated + i generated tokens -> as sample_tokens processes them."""
@@ -229,15 +243,7 @@ def generate(
         positions = torch.arange(pos, pos + kd + 1, device=device)
         logits = step(fed, positions, cache, all_logits=True)  # (1, k'+1, V)
         logits = target_logits(logits[0], len(tokens) - len(prompt))  # (k'+1, V)
-        draft_t = torch.tensor([drafts], dtype=torch.long, device=device)  # (1, k')
-        if greedy:
-            n, nxt = verify_greedy(logits.argmax(dim=-1)[None], draft_t)
-        else:
-            p = logits_to_probs(logits, params)[None]  # (1, k'+1, V)
-            if q is None:  # a deterministic proposal: q is one-hot on the drafted tokens
-                q = torch.nn.functional.one_hot(draft_t[0], p.shape[-1]).to(p.dtype)  # (k', V)
-            n, nxt = verify(p, q[None], draft_t, generator)
-        n, nxt = n.item(), nxt.item()
+        n, nxt = accept(logits, drafts, q, params, generator)
         t2 = _now(device)
         stats.draft_s += t1 - t0
         stats.target_s += t2 - t1

@@ -146,76 +146,94 @@ class CallParser:
         self.state = "text"
 
     def _read(self, final: bool) -> None:
-        fmt = self.format
+        """Read the buffer as far as it goes, state by state (each reader: True to read on)."""
         while True:
             if self.state == "plain":
                 self._content(self.buffer)
                 self.buffer = ""
                 return
-            if self.state == "text" and fmt.trigger is None:  # Llama 3: a call is the output's start
-                if self.started:
-                    self.state = "plain"
-                    continue
-                stripped = self.buffer.lstrip()
-                if stripped.startswith(PYTHON_TAG) or stripped.startswith("{"):
-                    self.raw = self.buffer[:len(self.buffer) - len(stripped)]
-                    if stripped.startswith(PYTHON_TAG):
-                        self.raw += PYTHON_TAG
-                        stripped = stripped[len(PYTHON_TAG):]
-                    self.buffer, self.state, self.started = stripped, "object", True
-                    continue
-                if not stripped or (PYTHON_TAG.startswith(stripped) and not final):
-                    return
-                self.started, self.state = True, "plain"
-                continue
             if self.state == "text":
-                at = self.buffer.find(fmt.trigger)
-                if at < 0:
-                    keep = 0 if final else next((k for k in range(min(len(fmt.trigger) - 1, len(self.buffer)), 0, -1)
-                                                 if fmt.trigger.startswith(self.buffer[-k:])), 0)
-                    self._content(self.buffer[:len(self.buffer) - keep])
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
-                    return
-                self._content(self.buffer[:at])
-                self.raw, self.buffer, self.state = fmt.trigger, self.buffer[at + len(fmt.trigger):], "open"
-                continue
-            # open, object or after: whitespace first
-            stripped = self.buffer.lstrip()
-            if self.state != "object" or not self.obj:
-                self.raw += self.buffer[:len(self.buffer) - len(stripped)]
-                self.buffer = stripped
-                if not stripped:
-                    return
-            if self.state == "open":
-                if fmt.array and stripped[0] == "[":
-                    self.raw += "["
-                    self.buffer = stripped[1:]
-                self.state = "object"
-                continue
-            if self.state == "object":
-                if not self.obj and self.buffer[0] != "{":
-                    self._malformed()
-                    continue
-                if not self._scan():
-                    return
-                self._object_done()
-                continue
-            # after a call object: the close, the next call, or text
-            if fmt.close and self.buffer.startswith(fmt.close):
-                self.buffer, self.state, self.strip = self.buffer[len(fmt.close):], "text", True
-            elif fmt.close and fmt.close.startswith(self.buffer):  # the close, coming (or cut short: dropped)
-                if not final:
-                    return
-                self.buffer, self.state = "", "text"
-            elif fmt.trigger is None and self.buffer[0] == fmt.separator.strip():
-                self.buffer, self.state = self.buffer[1:], "object"
-            elif fmt.array and self.buffer[0] == ",":
-                self.buffer, self.state = self.buffer[1:], "object"
-            elif fmt.array and self.buffer[0] == "]":
-                self.buffer, self.state, self.strip = self.buffer[1:], "text", True
+                more = self._read_start(final) if self.format.trigger is None else self._read_text(final)
             else:
-                self.state, self.strip = ("text" if fmt.trigger is not None else "plain"), True
-            self.raw = ""
+                more = self._read_call(final)
+            if not more:
+                return
+
+    def _read_start(self, final: bool) -> bool:
+        """Llama 3: a call is the output's start, or all of it is text."""
+        if self.started:
+            self.state = "plain"
+            return True
+        stripped = self.buffer.lstrip()
+        if stripped.startswith(PYTHON_TAG) or stripped.startswith("{"):
+            self.raw = self.buffer[:len(self.buffer) - len(stripped)]
+            if stripped.startswith(PYTHON_TAG):
+                self.raw += PYTHON_TAG
+                stripped = stripped[len(PYTHON_TAG):]
+            self.buffer, self.state, self.started = stripped, "object", True
+            return True
+        if not stripped or (PYTHON_TAG.startswith(stripped) and not final):
+            return False
+        self.started, self.state = True, "plain"
+        return True
+
+    def _read_text(self, final: bool) -> bool:
+        """Content up to the trigger (a trigger's possible start held back until more comes)."""
+        trigger = self.format.trigger
+        at = self.buffer.find(trigger)
+        if at < 0:
+            keep = 0 if final else next((k for k in range(min(len(trigger) - 1, len(self.buffer)), 0, -1)
+                                         if trigger.startswith(self.buffer[-k:])), 0)
+            self._content(self.buffer[:len(self.buffer) - keep])
+            self.buffer = self.buffer[len(self.buffer) - keep:]
+            return False
+        self._content(self.buffer[:at])
+        self.raw, self.buffer, self.state = trigger, self.buffer[at + len(trigger):], "open"
+        return True
+
+    def _read_call(self, final: bool) -> bool:
+        """The states open, object and after: whitespace first, then a call object, or what follows one."""
+        stripped = self.buffer.lstrip()
+        if self.state != "object" or not self.obj:
+            self.raw += self.buffer[:len(self.buffer) - len(stripped)]
+            self.buffer = stripped
+            if not stripped:
+                return False
+        if self.state == "open":
+            if self.format.array and stripped[0] == "[":
+                self.raw += "["
+                self.buffer = stripped[1:]
+            self.state = "object"
+            return True
+        if self.state == "object":
+            if not self.obj and self.buffer[0] != "{":
+                self._malformed()
+                return True
+            if not self._scan():
+                return False
+            self._object_done()
+            return True
+        return self._read_after(final)
+
+    def _read_after(self, final: bool) -> bool:
+        """After a call object: the close, the next call, or text."""
+        fmt = self.format
+        if fmt.close and self.buffer.startswith(fmt.close):
+            self.buffer, self.state, self.strip = self.buffer[len(fmt.close):], "text", True
+        elif fmt.close and fmt.close.startswith(self.buffer):  # the close, coming (or cut short: dropped)
+            if not final:
+                return False
+            self.buffer, self.state = "", "text"
+        elif fmt.trigger is None and self.buffer[0] == fmt.separator.strip():
+            self.buffer, self.state = self.buffer[1:], "object"
+        elif fmt.array and self.buffer[0] == ",":
+            self.buffer, self.state = self.buffer[1:], "object"
+        elif fmt.array and self.buffer[0] == "]":
+            self.buffer, self.state, self.strip = self.buffer[1:], "text", True
+        else:
+            self.state, self.strip = ("text" if fmt.trigger is not None else "plain"), True
+        self.raw = ""
+        return True
 
     def _scan(self) -> bool:
         """Read the buffer into the call object, as far as it goes; give out the call's name and arguments as they

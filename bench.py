@@ -313,6 +313,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def model_under_test(args: argparse.Namespace, device: torch.device,
+                     dtype: torch.dtype) -> tuple[Transformer, str, str | None]:
+    """Random weights of --shape (quantized as asked), or --model loaded as generate.py loads it; returns the model,
+    its name for the header and its path (None for a shape)."""
+    if args.shape:
+        with torch.device(device):
+            model = Transformer(SHAPES[args.shape]).to(dtype).eval().requires_grad_(False)
+        if args.quantize not in (None, "none"):
+            model = quantize_model(model, args.quantize, args.quantize_head)
+        return model, f"{args.shape} (random weights)", None
+    model, path = load_model(args.model or default_model(), device, dtype,
+                             progress=not args.quiet and sys.stderr.isatty(), quantize=args.quantize,
+                             quantize_head=args.quantize_head)
+    return model, os.path.basename(path.rstrip("/")), path
+
+
 def run(args: argparse.Namespace) -> None:
     for name, values in [("--batch-size", args.batch_size), ("--prompt-len", args.prompt_len),
                          ("--runs", [args.runs])]:
@@ -334,17 +350,7 @@ def run(args: argparse.Namespace) -> None:
                    args.kv_bytes))
         return
     dtype, _ = pick_dtype(args.dtype, device)
-    if args.shape:
-        with torch.device(device):
-            model = Transformer(SHAPES[args.shape]).to(dtype).eval().requires_grad_(False)
-        if args.quantize not in (None, "none"):
-            model = quantize_model(model, args.quantize, args.quantize_head)
-        name = f"{args.shape} (random weights)"
-    else:
-        model, path = load_model(args.model or default_model(), device, dtype,
-                                 progress=not args.quiet and sys.stderr.isatty(), quantize=args.quantize,
-                                 quantize_head=args.quantize_head)
-        name = os.path.basename(path.rstrip("/"))
+    model, name, path = model_under_test(args, device, dtype)
     max_len = max(args.prompt_len) + args.new_tokens
     if max_len > model.args.max_seq_len:
         raise ValueError(f"prompt + new tokens = {max_len} exceeds the model's context of {model.args.max_seq_len}")

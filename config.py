@@ -7,9 +7,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "Phi3ForCausalLM", "Gemma2ForCausalLM")
-WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # those whose sliding_window applies
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")  # llama.cpp's general.architecture
+                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", *GEMMA)  # those whose sliding_window applies
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")  # llama.cpp's general.architecture
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -30,13 +31,19 @@ def positive_number(value, what: str) -> float:
     return value
 
 
-def gemma2_args(cfg: dict, n_layers: int) -> dict:
-    """The ModelArgs fields a Gemma 2 config.json sets; layer_types unset: every other layer windowed, from the
-    first (transformers' default)."""
-    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+def gemma_args(cfg: dict, n_layers: int, gemma3: bool) -> dict:
+    """The ModelArgs fields a Gemma 2 or 3 config.json sets. layer_types unset: every `sliding_window_pattern`-th
+    layer full, the others windowed (transformers' default: 2 for Gemma 2, 6 for Gemma 3). Gemma 3 adds q/k norms and
+    drops the soft-caps unless its config sets them."""
+    pattern = cfg.get("sliding_window_pattern", 6) if gemma3 else 2
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % positive_int(pattern, "config.json sliding_window_pattern") == 0
+        else "sliding_attention" for i in range(n_layers)]
     if not isinstance(types, list) or len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
         raise ValueError(f"config.json layer_types must list sliding_attention or full_attention for each of the "
                          f"{n_layers} layers, got {types!r}")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("unsupported config: use_bidirectional_attention must be false (a causal language model)")
 
     def number(key: str, default: float | None) -> float | None:
         value = cfg.get(key, default)
@@ -45,23 +52,56 @@ def gemma2_args(cfg: dict, n_layers: int) -> dict:
     return dict(norm_plus_one=True, embed_scale=True, sandwich_norms=True,
                 sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
                 attn_scale=number("query_pre_attn_scalar", 256) ** -0.5,
-                attn_softcap=number("attn_logit_softcapping", 50.0),
-                final_softcap=number("final_logit_softcapping", 30.0))
+                attn_softcap=number("attn_logit_softcapping", None if gemma3 else 50.0),
+                final_softcap=number("final_logit_softcapping", None if gemma3 else 30.0))
 
 
-def gemma2_gguf_args(meta: dict, n_layers: int, dim_per_head: int, head_dim: int | None) -> dict:
-    """The ModelArgs fields of a gemma2 GGUF as llama.cpp reads it: its converter stored the norms as 1 + w (so they
-    scale by the weight as stored); every other layer windowed, from the first (4096 unless the file says); no
-    query_pre_attn_scalar in the file: llama.cpp takes n_embd / n_head for the 46-layer Gemma 2 27B, the head dim
-    for the others."""
-    caps = [meta.get(f"gemma2.{key}", default) for key, default in
-            (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0))]
-    for key, cap in zip(("attn_logit_softcapping", "final_logit_softcapping"), caps):
-        positive_number(cap, f"GGUF metadata gemma2.{key}")
-    return dict(mlp_act="gelu_pytorch_tanh", embed_scale=True, sandwich_norms=True,
-                sliding_layers=tuple(range(0, n_layers, 2)),
-                attn_scale=(dim_per_head if n_layers == 46 else head_dim or dim_per_head) ** -0.5,
-                attn_softcap=caps[0], final_softcap=caps[1])
+def gemma3_rope(cfg: dict, rope: dict) -> tuple[dict, float]:
+    """Gemma 3's two RoPEs: the full-attention layers' parameters (transformers 5's rope_parameters.full_attention,
+    or the top-level rope_theta and rope_scaling) and the sliding layers' base (rope_parameters.sliding_attention's
+    rope_theta, or rope_local_base_freq), which they use unscaled."""
+    if "full_attention" in rope or "sliding_attention" in rope:
+        full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+    else:
+        full, local = dict(rope), {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported rope type {local['rope_type']!r} for Gemma 3's sliding layers; supported: "
+                         "'default'")
+    return full, positive_number(local.get("rope_theta", 10000.0), "config.json rope_local_base_freq")
+
+
+def gemma_gguf_args(meta: dict, arch: str, n_layers: int, dim_per_head: int, head_dim: int | None) -> dict:
+    """The ModelArgs fields of a gemma2 / gemma3 GGUF as llama.cpp reads it: its converter stored the norms as 1 + w
+    (so they scale by the weight as stored); no query_pre_attn_scalar in the file: llama.cpp takes n_embd / n_head for
+    the 46-layer Gemma 2 27B and the 62-layer Gemma 3 27B, the head dim for the others. gemma2: soft-caps (50, 30
+    unless the file says) and every other layer windowed, from the first. gemma3: no attention soft-cap, a final
+    one only if the file says; layers windowed by sliding_window_pattern (a flag per layer, or every n-th full,
+    6 unless the file says), none without a window; the sliding layers' RoPE base rope.freq_base_swa (10000)."""
+    def number(key: str, default: float | None) -> float | None:
+        value = meta.get(f"{arch}.{key}", default)
+        return None if value is None else positive_number(value, f"GGUF metadata {arch}.{key}")
+
+    big = n_layers == (46 if arch == "gemma2" else 62)  # the 27B models
+    fields = dict(mlp_act="gelu_pytorch_tanh", embed_scale=True, sandwich_norms=True,
+                  attn_scale=(dim_per_head if big else head_dim or dim_per_head) ** -0.5)
+    if arch == "gemma2":
+        return dict(fields, sliding_layers=tuple(range(0, n_layers, 2)),
+                    attn_softcap=number("attn_logit_softcapping", 50.0),
+                    final_softcap=number("final_logit_softcapping", 30.0))
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise ValueError(f"GGUF metadata {arch}.attention.sliding_window_pattern lists {len(pattern)} layers, "
+                             f"expected {n_layers}")
+        sliding = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:
+        n = positive_int(pattern, f"GGUF metadata {arch}.attention.sliding_window_pattern")
+        sliding = tuple(i for i in range(n_layers) if i % n < n - 1)
+    windowed = bool(meta.get(f"{arch}.attention.sliding_window"))
+    return dict(fields, final_softcap=number("final_logit_softcapping", None),
+                sliding_layers=sliding if windowed else None,
+                rope_local_theta=number("rope.freq_base_swa", 10000.0) if windowed else None)
 
 
 @dataclass
@@ -95,6 +135,7 @@ class ModelArgs:
     attn_scale: float | None = None  # the scores' scale (query_pre_attn_scalar ** -0.5); None: 1 / sqrt(head_dim)
     attn_softcap: float | None = None  # attention scores soft-capped: c * tanh(s / c)
     final_softcap: float | None = None  # logits soft-capped likewise
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base, unscaled; None: as the others
 
     def __post_init__(self):
         """The checks every source (config.json, GGUF metadata) needs: what would otherwise fail later, inside
@@ -146,8 +187,8 @@ class ModelArgs:
             raise ValueError(f"config.json architectures must be a list, got {archs!r}")
         if archs[0] not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(ARCHITECTURES)}")
-        gemma = archs[0] == "Gemma2ForCausalLM"
-        act_key = "hidden_activation" if gemma else "hidden_act"  # Gemma 2's hidden_act is not the one it uses
+        gemma = archs[0] in GEMMA
+        act_key = "hidden_activation" if gemma else "hidden_act"  # Gemma's hidden_act is not the one it uses
         act = cfg.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported {act_key} {act!r}; supported: 'silu', 'gelu_pytorch_tanh'")
@@ -169,7 +210,7 @@ class ModelArgs:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         if not isinstance(rope, dict):
             raise ValueError(f"config.json rope_scaling must be an object, got {rope!r}")
-        rope = dict(rope)
+        rope, local_theta = gemma3_rope(cfg, rope) if archs[0] == "Gemma3ForCausalLM" else (dict(rope), None)
         rope_theta = positive_number(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)), "config.json rope_theta")
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
         rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first configs
@@ -183,7 +224,7 @@ class ModelArgs:
                                     "config.json original_max_position_embeddings")
             rope.setdefault("factor", size("max_position_embeddings", 4096) / original)
         head_dim = size("head_dim") or size("hidden_size") // size("num_attention_heads")
-        tie = cfg.get("tie_word_embeddings", False)
+        tie = cfg.get("tie_word_embeddings", gemma)  # transformers' default: Gemma's configs leave it out, tied
         if not isinstance(tie, bool):
             raise ValueError(f"config.json tie_word_embeddings must be true or false, got {tie!r}")
         moe = archs[0] == "MixtralForCausalLM"
@@ -200,15 +241,16 @@ class ModelArgs:
             rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
             max_seq_len=size("max_position_embeddings", 4096),
             # Qwen's config.json sets sliding_window but uses it only with use_sliding_window
-            sliding_window=size("sliding_window") if archs[0] in WINDOWED + ("Gemma2ForCausalLM",) else None,
+            sliding_window=size("sliding_window") if archs[0] in WINDOWED else None,
             tie_embeddings=tie,
             n_experts=size("num_local_experts", 8) if moe else None,
             n_experts_per_token=size("num_experts_per_tok", 2) if moe else 2,
             qkv_bias=archs[0] == "Qwen2ForCausalLM",
-            qk_norm=archs[0] == "Qwen3ForCausalLM",
+            qk_norm=archs[0] in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),  # Gemma 3's with norm_plus_one
             fused_checkpoint=archs[0] == "Phi3ForCausalLM",
             rope_dim=None if partial == 1 else int(head_dim * partial),  # rounded down, as transformers does
-            **(gemma2_args(cfg, size("num_hidden_layers")) if gemma else {}), mlp_act=act,
+            **(gemma_args(cfg, size("num_hidden_layers"), archs[0] == "Gemma3ForCausalLM") if gemma else {}),
+            mlp_act=act, rope_local_theta=local_theta,
         )
 
     @classmethod
@@ -247,7 +289,7 @@ class ModelArgs:
             if f"{arch}.rope.scaling.attn_factor" in meta:
                 rope_scaling["attention_factor"] = number("rope.scaling.attn_factor", None)
         head_dim = size("attention.key_length") if f"{arch}.attention.key_length" in meta else None
-        window = meta.get(f"{arch}.attention.sliding_window") or (4096 if arch == "gemma2" else 0)  # 0: none (phi3)
+        window = meta.get(f"{arch}.attention.sliding_window") or (4096 if arch == "gemma2" else 0)  # 0: none
         n_heads = size("attention.head_count")
         n_experts = size("expert_count") if meta.get(f"{arch}.expert_count", 0) != 0 else None  # Mixtral: > 0
         args = cls(
@@ -266,13 +308,13 @@ class ModelArgs:
             n_experts=n_experts,
             n_experts_per_token=size("expert_used_count", 2) if n_experts else 2,
             qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             fused_checkpoint=arch == "phi3",  # attn_qkv, and ffn_up holding gate | up
             sliding_window=positive_int(window, f"GGUF metadata {arch}.attention.sliding_window") if window else None,
             rope_dim=size("rope.dimension_count") if arch == "phi3" and f"{arch}.rope.dimension_count" in meta
             else None,  # Phi-4-mini's partial rotary
-            **(gemma2_gguf_args(meta, size("block_count"), size("embedding_length") // n_heads, head_dim)
-               if arch == "gemma2" else {}),
+            **(gemma_gguf_args(meta, arch, size("block_count"), size("embedding_length") // n_heads, head_dim)
+               if arch in ("gemma2", "gemma3") else {}),
         )
         if meta.get(f"{arch}.rope.dimension_count", args.rope_dim) != args.rope_dim:
             raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")

@@ -42,7 +42,7 @@ from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema
 from hffolder import generation_defaults
 from load import load_model, resolve_model_path
 from model import Transformer
-from quantize import describe, parse_mode, quantization_of, weight_bytes
+from quantize import describe, parse_mode, weight_bytes
 from sample import SamplingParams
 from sinks import SinkWindow
 import speculative
@@ -478,7 +478,8 @@ def step_label(step: Step, args: argparse.Namespace) -> str:
 
 def quantization_summary(model: Transformer, kv_dtype: str) -> str:
     """' | weights 87.1 MB int4:64 (+head) | kv int8' for the summary line: what decode reads per token."""
-    mode = "" if quantization_of(model) is None else " " + describe(model)
+    label = describe(model)  # read off every block linear: a Q4_K_M file's first o_proj may be dequantized
+    mode = "" if label == "float" else " " + label
     return f" | weights {weight_bytes(model) / 1e6:.1f} MB{mode}" + (" | kv int8" if kv_dtype == "int8" else "")
 
 

@@ -41,10 +41,11 @@ GGUF_BLOCK_NAMES = {
     "ffn_gate_inp": "mlp.gate",  # Mixtral's router
 }
 # an architecture's own block names: Phi-3's fused linears, stored as we run them (ffn_up holds gate | up)
-# and Gemma 2's four norms (its ffn_norm is the MLP's pre-norm, our post_attention_layernorm its attention post-norm)
+# and Gemma's four norms (its ffn_norm is the MLP's pre-norm, our post_attention_layernorm its attention post-norm)
+GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"}
 GGUF_ARCH_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                   "gemma2": {"post_attention_norm": "post_attention_layernorm",
-                              "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}}
+                   "gemma2": GEMMA_NAMES, "gemma3": GEMMA_NAMES}
 GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # (E, N, K)
 # tensor types GGUFReader returns as numbers; every other type (BF16, the quantized blocks) as rows of bytes
 NUMERIC = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,

@@ -1,5 +1,5 @@
 """A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3,
-Phi-3, Gemma 2) in plain PyTorch.
+Phi-3, Gemma 2/3) in plain PyTorch.
 
 Shape legend used in the comments:
   B batch, T tokens in this call, S key positions (cache length), C model width,
@@ -8,6 +8,7 @@ Shape legend used in the comments:
 The hyper-parameters (ModelArgs) and their mappings to and from checkpoint configs live in config.py; loading and
 converting checkpoints in load.py; the KV cache in kvcache.py.
 """
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -209,10 +210,11 @@ class Attention(nn.Module):
         parts = None if args.fused_checkpoint else {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
         self.qkv_proj = Linear(args.dim, q_rows + 2 * kv_rows, parts, bias=args.qkv_bias)
         self.o_proj = Linear(args.n_heads * args.head_dim, args.dim)
-        # Qwen3: each head's q and k RMS-normed (over D) before RoPE
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.scale, self.softcap = args.attn_scale, args.attn_softcap  # Gemma 2; None: SDPA's 1/sqrt(D), no cap
+        # Qwen3, Gemma 3: each head's q and k RMS-normed (over D) before RoPE
+        norm = (args.head_dim, args.norm_eps, args.norm_plus_one)
+        self.q_norm = RMSNorm(*norm) if args.qk_norm else None
+        self.k_norm = RMSNorm(*norm) if args.qk_norm else None
+        self.scale, self.softcap = args.attn_scale, args.attn_softcap  # Gemma; None: SDPA's 1/sqrt(D), no cap
 
     def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
         B, T, _ = x.shape
@@ -311,7 +313,8 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = RMSNorm(*norm), RMSNorm(*norm)
         self.mlp = MLP(args) if args.n_experts is None else MoE(args)
         self.sandwich = args.sandwich_norms
-        # Gemma 2: only some layers see a sliding window; they take the second of Transformer.inputs' two masks.
+        # Gemma: only some layers see a sliding window; they take the second of Transformer.inputs' two masks (and,
+        # Gemma 3, of its two RoPE tables).
         self.windowed = args.sliding_layers is not None and i in args.sliding_layers
         # Tensor parallel (tp.py): this rank's o_proj / down_proj outputs are partial sums; this adds them up.
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -321,8 +324,9 @@ class Block(nn.Module):
 
     def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
         mask = mask[self.windowed] if isinstance(mask, tuple) else mask
+        cos, sin = (cos[self.windowed], sin[self.windowed]) if isinstance(cos, tuple) else (cos, sin)
         a = self.reduce(self.self_attn(self.input_layernorm(x), input_pos, cos, sin, mask, cache))
-        if self.sandwich:  # Gemma 2: each sublayer's input and output normed
+        if self.sandwich:  # Gemma: each sublayer's input and output normed
             h = x + self.post_attention_layernorm(a)
             return h + self.post_feedforward_layernorm(self.reduce(self.mlp(self.pre_feedforward_layernorm(h))))
         h = x + a
@@ -348,15 +352,27 @@ class Transformer(nn.Module):
         self.reset_rope()
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
-        """(Re)build the cos/sin tables, e.g. after the model was built on the meta device."""
+        """(Re)build the cos/sin tables, e.g. after the model was built on the meta device; Gemma 3's sliding layers
+        get their own (rope_local_cos / rope_local_sin: their base, unscaled)."""
         device = device or self.embed_tokens.weight.device
-        with torch.device("cpu"):  # computed on the meta device (a loader's), arange would import torch._dynamo: 2 s
-            positions = torch.arange(self.args.max_seq_len, dtype=torch.float32)
-            freqs = torch.outer(positions, rope_inv_freq(self.args))  # (max_seq_len, R/2)
-            scale = rope_attention_factor(self.args)
-            cos, sin = freqs.cos() * scale, freqs.sin() * scale
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        tables = {"rope": self.args}
+        if self.args.rope_local_theta is not None:
+            tables["rope_local"] = dataclasses.replace(self.args, rope_theta=self.args.rope_local_theta,
+                                                       rope_scaling=None, rope_freq_factors=None)
+        for prefix, args in tables.items():
+            with torch.device("cpu"):  # on the meta device (a loader's), arange would import torch._dynamo: 2 s
+                positions = torch.arange(args.max_seq_len, dtype=torch.float32)
+                freqs = torch.outer(positions, rope_inv_freq(args))  # (max_seq_len, R/2)
+                scale = rope_attention_factor(args)
+                cos, sin = freqs.cos() * scale, freqs.sin() * scale
+            self.register_buffer(f"{prefix}_cos", cos.to(device), persistent=False)
+            self.register_buffer(f"{prefix}_sin", sin.to(device), persistent=False)
+
+    def layer_rope(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's float32 (cos, sin) tables, (max_seq_len, R/2) each: Gemma 3's sliding layers have their own."""
+        if self.args.rope_local_theta is not None and i in self.args.sliding_layers:
+            return self.rope_local_cos, self.rope_local_sin
+        return self.rope_cos, self.rope_sin
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache | None = None,
                 all_logits: bool = False) -> torch.Tensor:
@@ -381,13 +397,15 @@ class Transformer(nn.Module):
         q_pos, k_pos = (input_pos, input_pos) if cache is None else cache.positions(input_pos)
         # computed in float32, rounded to the activations' dtype once for every layer (as transformers does)
         cos, sin = self.rope_cos[q_pos].to(x.dtype), self.rope_sin[q_pos].to(x.dtype)  # (T, D/2) or (B, T, D/2)
+        if self.args.rope_local_theta is not None:  # Gemma 3: (full, windowed) tables, each Block takes its own
+            cos, sin = (cos, self.rope_local_cos[q_pos].to(x.dtype)), (sin, self.rope_local_sin[q_pos].to(x.dtype))
         if self.args.sliding_layers is None:
             mask = attention_mask(q_pos, k_pos, self.args.sliding_window)  # (T, S) or (B, T, S)
-        else:  # Gemma 2: (full, windowed), each Block takes its own
+        else:  # Gemma: (full, windowed), each Block takes its own
             mask = tuple(attention_mask(q_pos, k_pos, w) for w in (None, self.args.sliding_window))
         if input_pos.dim() == 2:  # broadcast over heads: (B, 1, T, .)
-            cos, sin = cos[:, None], sin[:, None]
-            mask = tuple(m[:, None] for m in mask) if isinstance(mask, tuple) else mask[:, None]
+            cos, sin, mask = (tuple(t[:, None] for t in v) if isinstance(v, tuple) else v[:, None]
+                              for v in (cos, sin, mask))
         return x, cos, sin, mask
 
     def head(self, x: torch.Tensor, all_logits: bool) -> torch.Tensor:
@@ -395,5 +413,5 @@ class Transformer(nn.Module):
         if not all_logits:
             x = x[:, -1:]  # (B, 1, C): generation only needs the next-token distribution
         logits = self.lm_head(self.norm(x)).float()  # (B, T or 1, V)
-        cap = self.args.final_softcap  # Gemma 2: logits soft-capped to (-cap, cap)
+        cap = self.args.final_softcap  # Gemma: logits soft-capped to (-cap, cap)
         return logits if cap is None else torch.tanh(logits / cap) * cap

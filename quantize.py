@@ -441,9 +441,17 @@ def weight_bytes(model: nn.Module) -> int:
 
 def describe(model: nn.Module) -> str:
     """'int4:32', 'int8 (+head)', 'int4:32 (+head int8:32)' or 'float': the weights a decode step reads, for
-    summary lines."""
+    summary lines. Blocks that mix them (a Q4_K_M GGUF, its Q6_K linears dequantized) count each linear:
+    'int4:32 x6 + float x2'."""
     q = quantization_of(model)
-    blocks = "float" if q is None else q["quantization"] + (f":{q['group_size']}" if q["group_size"] else "")
+    kinds: dict[str, int] = {}  # each block linear's kind -> how many
+    for name, m in model.named_modules():
+        if name.startswith("layers.") and isinstance(m, (nn.Linear, Int8Linear, Int4Linear)):
+            kind = f"int4:{m.group_size}" if isinstance(m, Int4Linear) else "int8" if isinstance(m, Int8Linear) \
+                else "float"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    blocks = " + ".join(f"{k} x{n}" for k, n in sorted(kinds.items(), key=lambda kn: -kn[1])) if len(kinds) > 1 \
+        else next(iter(kinds), "float")
     if isinstance(model.lm_head, Int8GroupLinear):  # a GGUF's Q8_0 head, as the file has it (load.py)
         return blocks + " (+head int8:32)"
     return blocks + (" (+head)" if q is not None and q["quantize_head"] == "true" else "")

@@ -102,14 +102,15 @@ class SinkKVCache:
     """The KVCache interface as a rolling cache of `window` slots keeping `sinks` positions, over a KVCache of
     min(window, the longest the sequence can get) slots, or over a PagedKVCache (rows of at most window slots)."""
 
-    def __init__(self, inner: KVCache | PagedKVCache, shape: SinkWindow, rope_cos: torch.Tensor,
-                 rope_sin: torch.Tensor):
+    def __init__(self, inner: KVCache | PagedKVCache, shape: SinkWindow, model: Transformer):
         sinks = shape.sinks
         if isinstance(sinks, tuple):  # one count per row: (B, 1), broadcast against per-row positions
-            sinks = torch.tensor(sinks, device=rope_cos.device)[:, None]
+            sinks = torch.tensor(sinks, device=model.rope_cos.device)[:, None]
         self.inner, self.sinks, self.window = inner, sinks, shape.window
         self.max_seq_len = inner.max_seq_len  # slots attended, not a limit on positions
-        self.layers = [SinkLayer(layer, sinks, shape.window, rope_cos, rope_sin) for layer in inner.layers]
+        # each layer's own RoPE tables (Gemma 3's sliding layers have theirs)
+        self.layers = [SinkLayer(layer, sinks, shape.window, *model.layer_rope(i))
+                       for i, layer in enumerate(inner.layers)]
 
     @classmethod
     def for_model(cls, model: Transformer, batch_size: int, shape: SinkWindow, max_len: int | None = None,
@@ -119,13 +120,13 @@ class SinkKVCache:
         weight = model.embed_tokens.weight
         slots = shape.window if max_len is None else min(shape.window, max_len)
         inner = KVCache.for_model(model.args, batch_size, slots, weight.dtype, weight.device, kv_dtype)
-        return cls(inner, shape, model.rope_cos, model.rope_sin)
+        return cls(inner, shape, model)
 
     @classmethod
     def paged(cls, model: Transformer, pool: BlockPool, block_tables: torch.Tensor,
               shape: SinkWindow) -> "SinkKVCache":
         """Over the rows' blocks: a row holds the blocks of its first min(n, window) slots."""
-        return cls(PagedKVCache(pool, block_tables), shape, model.rope_cos, model.rope_sin)
+        return cls(PagedKVCache(pool, block_tables), shape, model)
 
     def positions(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The positions RoPE and the mask give the queries at input_pos and each slot: within the window."""

@@ -204,6 +204,9 @@ def load_tokenizer(path: str) -> Tokenizer:
     return tokenizer_from_gguf_metadata({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
 
 
+TURN_ENDS = ("<end_of_turn>", "<|end|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>")
+
+
 def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
     """Build the tokenizer a GGUF file embeds, from its `tokenizer.*` metadata (llama.cpp key names)."""
     kind = meta.get("tokenizer.ggml.model")
@@ -224,6 +227,9 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
         backend = sentencepiece_backend(tokens, meta["tokenizer.ggml.scores"], types, prepend,
                                          meta.get("tokenizer.ggml.remove_extra_whitespaces", False))
     eos = [meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    # and the turn ends llama.cpp ends generation at by their text, which the converter leaves unnamed: a Gemma
+    # file's eos is <eos>, its chat turns end with <end_of_turn>; a Phi-3 file's eos is <|endoftext|>, its turns <|end|>
+    eos += [i for i, text in enumerate(tokens) if text in TURN_ENDS]
     # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise
     add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
     return Tokenizer(backend, meta.get("tokenizer.ggml.bos_token_id"), eos, add_bos,

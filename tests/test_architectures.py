@@ -18,7 +18,7 @@ from tiny_models import SEQ_LEN, hf_to_ours, llama_gguf_writer, make_hf
 
 QWEN = ["qwen2", "qwen2-tied", "qwen3", "qwen3-tied"]
 PHI = ["phi3-longrope", "phi3-short-window", "phi4-mini-partial"]
-GEMMA = ["gemma2", "gemma2-untied-gqa1"]
+GEMMA = ["gemma2", "gemma2-untied-gqa1", "gemma3", "gemma3-untied-softcap"]
 
 
 def tokens(seq: int = SEQ_LEN, seed: int = 1) -> torch.Tensor:
@@ -49,7 +49,7 @@ def test_folder_matches_transformers(tmp_path, name):
         assert ModelArgs.from_hf_config(model.args.to_hf_config()) == model.args
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3-tied", "phi4-mini-partial", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3-tied", "phi4-mini-partial", "gemma2", "gemma3"])
 @pytest.mark.parametrize("mode", ["int8", "int4:32"])
 def test_quantized_qwen(tmp_path, name, mode):
     """Quantizing at load gives quantize_model's tensors (the biases kept in float, not padded); an exported folder
@@ -81,10 +81,10 @@ def test_quantized_qwen(tmp_path, name, mode):
 
 
 @pytest.mark.slow  # compiles
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi4-mini-partial", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi4-mini-partial", "gemma2", "gemma3"])
 def test_compiled_blocks_decode_matches_eager(name):
     """--compile blocks (the CPU default): the one-row Linear's multiply-and-sum with its bias, the q/k norms,
-    partial rotary, Gemma 2's written-out attention and its pair of masks."""
+    partial rotary, Gemma's written-out attention, its pair of masks and (Gemma 3) its pair of RoPE tables."""
     from step import Step
 
     model = hf_to_ours(make_hf(name))
@@ -157,8 +157,52 @@ def test_gemma2_layer_types_checked():
     args = ModelArgs.from_hf_config(cfg)
     assert (args.sliding_layers, args.attn_softcap, args.final_softcap, args.mlp_act) == ((0,), 50.0, 30.0,
                                                                                           "gelu_pytorch_tanh")
+    assert args.tie_embeddings  # transformers' default for Gemma, whose hub configs leave the key out
     with pytest.raises(ValueError, match="layer_types must list sliding_attention or full_attention for each"):
         ModelArgs.from_hf_config({**cfg, "layer_types": ["full_attention"]})
+
+
+GEMMA3_HUB_CONFIG = {  # a Gemma 3 config.json as the hub has them (transformers 4): no layer_types, rope keys on top,
+    # no tie_word_embeddings (tied: transformers' default)
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 10, "hidden_size": 16,
+    "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+    "intermediate_size": 16, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 4,
+    "sliding_window_pattern": 6, "query_pre_attn_scalar": 8, "final_logit_softcapping": None,
+    "attn_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh"}
+
+
+def test_gemma3_hub_config_reads_as_transformers_reads_it():
+    """The hub's form (rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern) gives the args of the
+    form transformers 5 writes after reading it (rope_parameters per layer type, layer_types)."""
+    from transformers import Gemma3TextConfig
+
+    args = ModelArgs.from_hf_config(GEMMA3_HUB_CONFIG)
+    assert (args.sliding_layers, args.rope_theta, args.rope_local_theta, args.rope_scaling) == (
+        (0, 1, 2, 3, 4, 6, 7), 1000000.0, 10000.0, {"rope_type": "linear", "factor": 8.0})
+    assert args.qk_norm and args.norm_plus_one and args.tie_embeddings
+    assert args.attn_softcap is None and args.final_softcap is None and args.attn_scale == 8 ** -0.5
+    written = Gemma3TextConfig(**{k: v for k, v in GEMMA3_HUB_CONFIG.items() if k != "architectures"}).to_dict()
+    assert ModelArgs.from_hf_config({**written, "architectures": ["Gemma3ForCausalLM"]}) == args
+    with pytest.raises(ValueError, match="rope type 'linear' for Gemma 3's sliding layers; supported: 'default'"):
+        ModelArgs.from_hf_config({**written, "architectures": ["Gemma3ForCausalLM"], "rope_parameters": {
+            **written["rope_parameters"], "sliding_attention": {"rope_type": "linear", "factor": 2.0}}})
+
+
+@pytest.mark.parametrize("pattern, window, sliding", [(None, 4, (0, 1, 2, 3, 4, 6, 7)), (3, 4, (0, 1, 3, 4, 6, 7)),
+                                                      ([True, False] * 4, 4, (0, 2, 4, 6)), (None, 0, None)])
+def test_gemma3_gguf_layer_pattern(pattern, window, sliding):
+    """llama.cpp's rule for a gemma3 file: sliding_window_pattern a flag per layer, or every n-th layer full (6
+    unless set); no window (0 or absent): no layer windowed and one RoPE."""
+    meta = {"general.architecture": "gemma3", "gemma3.attention.head_count": 2, "gemma3.embedding_length": 16,
+            "gemma3.block_count": 8, "gemma3.feed_forward_length": 16, "gemma3.vocab_size": 10,
+            "gemma3.attention.key_length": 8, "gemma3.attention.sliding_window": window,
+            "gemma3.rope.freq_base": 1000000.0}
+    if pattern is not None:
+        meta["gemma3.attention.sliding_window_pattern"] = pattern
+    args = ModelArgs.from_gguf(meta, {"token_embd.weight"})
+    assert args.sliding_layers == sliding and args.sliding_window == (window or None)
+    assert args.rope_local_theta == (10000.0 if window else None) and args.qk_norm and args.attn_scale == 8 ** -0.5
 
 
 def test_phi3_refuses_tensor_parallel():
@@ -290,12 +334,13 @@ def test_longrope_errors(scaling, message):
 
 
 def test_unknown_architecture_names_the_supported_ones():
-    with pytest.raises(ValueError, match=r"unsupported architecture 'Gemma3ForCausalLM'; supported: .*"
-                                         r"Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM"):
-        ModelArgs.from_hf_config({**PHI3_CONFIG, "architectures": ["Gemma3ForCausalLM"]})
+    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'; supported: .*"
+                                         r"Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, "
+                                         r"Gemma3ForCausalLM"):
+        ModelArgs.from_hf_config({**PHI3_CONFIG, "architectures": ["GPT2LMHeadModel"]})
 
 
-@pytest.mark.parametrize("name", ["qwen2-tied", "qwen3", "phi3-longrope", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen2-tied", "qwen3", "phi3-longrope", "gemma2", "gemma3"])
 def test_generation_loops(name):
     """decode.generate's greedy tokens equal the uncached loop's; a speculative run with a draft of the same family
     (another seed) gives plain greedy's tokens: its k-query verifies decide as the one-query steps do."""
@@ -311,28 +356,44 @@ def test_generation_loops(name):
     assert spec == plain
 
 
-def test_gemma2_gguf_matches_transformers(tmp_path):
-    """A gemma2 file as llama.cpp's converter writes it: norms stored as 1 + w, its own norm names, no `output`
-    (always tied), soft-caps and window in the metadata, every other layer windowed from the first; the scale is
-    the head dim's (query_pre_attn_scalar = head_dim, as llama.cpp assumes for all but the 27B)."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_matches_transformers(tmp_path, arch):
+    """A gemma2 / gemma3 file as llama.cpp's converter writes it: norms stored as 1 + w (q/k norms too), its own
+    norm names, no `output` (always tied), soft-caps and window in the metadata; gemma2: every other layer windowed
+    from the first; gemma3: every sixth layer full (llama.cpp's default pattern), the sliding layers' RoPE base
+    apart (rope.freq_base_swa), linear scaling of the full layers' RoPE. The scale is the head dim's
+    (query_pre_attn_scalar = head_dim, as llama.cpp assumes for all but the 27B models)."""
+    import gguf
+    import transformers
 
     torch.manual_seed(0)
-    cfg = Gemma2Config(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=24,
-                       sliding_window=16, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
-                       max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1, pad_token_id=None)
-    hf = Gemma2ForCausalLM(cfg).eval()
+    common = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=24, sliding_window=16,
+                  final_logit_softcapping=3.0, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  initializer_range=0.1, pad_token_id=None)
+    if arch == "gemma2":
+        cfg = transformers.Gemma2Config(num_hidden_layers=3, attn_logit_softcapping=2.0, **common)
+        hf = transformers.Gemma2ForCausalLM(cfg).eval()
+    else:
+        cfg = transformers.Gemma3TextConfig(num_hidden_layers=7, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}, **common)
+        hf = transformers.Gemma3ForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
             if p.dim() == 1:
                 p.normal_(0.0, 0.1)
-    writer = llama_gguf_writer(tmp_path / "g.gguf", cfg, "gemma2")
+    writer = llama_gguf_writer(tmp_path / "g.gguf", cfg, arch)
     writer.add_sliding_window(cfg.sliding_window)
-    writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
     writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    else:
+        writer.add_rope_freq_base_swa(50.0)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(4.0)
     top = {v: k for k, v in GGUF_TOP_NAMES.items()}
-    block = {v: k for k, v in {**GGUF_BLOCK_NAMES, **GGUF_ARCH_NAMES["gemma2"]}.items()}
+    block = {v: k for k, v in {**GGUF_BLOCK_NAMES, **GGUF_ARCH_NAMES[arch]}.items()}
     for name, t in hf.state_dict().items():
         name = name.removeprefix("model.")
         if name == "lm_head.weight":
@@ -347,13 +408,14 @@ def test_gemma2_gguf_matches_transformers(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     model, _ = load_model(str(tmp_path / "g.gguf"), "cpu", torch.float32)
-    assert model.args.sliding_layers == (0, 2) and model.args.tie_embeddings and not model.args.norm_plus_one
+    sliding = (0, 2) if arch == "gemma2" else (0, 1, 2, 3, 4, 6)
+    assert model.args.sliding_layers == sliding and model.args.tie_embeddings and not model.args.norm_plus_one
     toks = tokens()
     assert (model(toks, torch.arange(SEQ_LEN), all_logits=True) - hf(toks).logits).abs().max() <= 1e-4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gemma3"])
 def test_compiled_full_decode_matches_eager(name):
     """--compile full: the whole decode step as one graph (the bias, the written-out attention and its mask pair)."""
     import torch._dynamo

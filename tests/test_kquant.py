@@ -247,6 +247,7 @@ def test_q4_k_m_like_file_runs_q4_k_as_codes(q4_k_m_like):
             assert isinstance(module, nn.Linear if name in floats else q.Int4Linear), name
     assert isinstance(model.lm_head, nn.Linear)
     assert check_weights(model, q4_k_m_like) == {"Q4_K": 12, "Q6_K": 2}
+    assert q.describe(model) == "int4:32 x6 + float x2"  # the summary line says the mix, not layer 0's o_proj
     bf16, _ = load_model(q4_k_m_like, "cpu", torch.bfloat16)
     for name, module in model.named_modules():
         if isinstance(module, q.Int4Linear):
@@ -349,3 +350,4 @@ def test_llama_quantize_files(llama_quantized, ftype):
             for name in ("self_attn.qkv_proj", "mlp.down_proj"):
                 module = model.get_submodule(f"layers.{i}.{name}")
                 assert isinstance(module, nn.Linear if i in (0, 3, 6, 7) else q.Int4Linear), (i, name)
+        assert q.describe(model) == "int4:32 x24 + float x8"

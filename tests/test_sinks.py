@@ -79,6 +79,19 @@ def one_layer(model):
     return cut
 
 
+@torch.inference_mode()
+def test_gemma3_sinks_rotate_each_layer_by_its_own_table():
+    """Gemma 3's sliding layers have their own RoPE base: the rolling cache rotates each layer's keys by that layer's
+    table, so while the sequence fits it gives the full cache's logits, bit for bit."""
+    from tiny_models import hf_to_ours, make_hf
+
+    model = hf_to_ours(make_hf("gemma3"))
+    W = 24
+    tokens = torch.randint(1, 160, (W,), generator=torch.Generator().manual_seed(0)).tolist()
+    full = feed(model, tokens, KVCache.for_model(model.args, 1, W, torch.float32, "cpu"), 10)
+    assert torch.equal(feed(model, tokens, SinkKVCache.for_model(model, 1, SinkWindow(4, W)), 10), full)
+
+
 @pytest.mark.parametrize("sinks", [4, 0])
 @torch.inference_mode()
 def test_rotation_rule_is_exact_against_attention_from_scratch(tiny, sinks):

@@ -554,3 +554,12 @@ def test_gguf_without_merges(tmp_path):
     path = write_gguf(str(tmp_path / "nomerges.gguf"), "gpt2", ["a", "b"], [1, 1])
     with pytest.raises(ValueError, match="no tokenizer.ggml.merges list"):
         load_tokenizer(path)
+
+
+def test_gguf_turn_ends_stop_generation(tmp_path):
+    """A turn end the file does not name (Gemma's <end_of_turn>, its eos being <eos>) ends generation, as llama.cpp
+    ends it by the token's text; the file's own eos stays first (what add_eos appends)."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "▁a", "a"]
+    path = write_gguf(str(tmp_path / "gemma.gguf"), "llama", tokens, [3, 3, 3, 3, 3, 1, 1],
+                      token_scores=[0.0] * 7, bos_token_id=2, eos_token_id=1)
+    assert load_tokenizer(path).eos_ids == [1, 4]

@@ -51,30 +51,44 @@ CONFIGS = {
     "gemma2-untied-gqa1": ("gemma2", dict(head_dim=24, num_key_value_heads=1, sliding_window=24,
                                           tie_word_embeddings=False,
                                           layer_types=["full_attention", "sliding_attention"])),
+    # Gemma 3: Gemma 2's layout with (1 + w) q/k norms, no soft-caps, a sliding pattern of 3 here (2 windowed, 1
+    # full), the full layers' RoPE base and linear scaling apart from the sliding layers' base (far apart, so a
+    # swapped table shows); then untied, one kv head, a final soft-cap and the default bases (1e6, 1e4)
+    "gemma3": ("gemma3", dict(num_hidden_layers=4, head_dim=16, sliding_window=16, query_pre_attn_scalar=24,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                           "sliding_attention"],
+                              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                  "rope_theta": 1000.0},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
+    "gemma3-untied-softcap": ("gemma3", dict(head_dim=24, num_key_value_heads=1, sliding_window=24,
+                                             tie_word_embeddings=False, final_logit_softcapping=3.0,
+                                             layer_types=["sliding_attention", "full_attention"])),
 }
-RANDOM_VECTORS = ("qwen2", "qwen3", "phi3", "gemma2")  # families whose biases and norm weights are drawn at random
+RANDOM_VECTORS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")  # families whose biases and norms are drawn at random
 
 
-def make_hf(name: str, seed: int = 0):
-    """A random fp32 transformers model for CONFIGS[name]."""
+def make_hf(name: str, seed: int = 0, **overrides):
+    """A random fp32 transformers model for CONFIGS[name], with config fields `overrides` on top."""
     import transformers
 
     family, extra = CONFIGS[name]
     prefix = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-              "phi3": "Phi3", "gemma2": "Gemma2"}[family]
-    config_cls, model_cls = getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
+              "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3Text"}[family]
+    config_cls = getattr(transformers, prefix + "Config")  # Gemma3Config is the multimodal model's
+    model_cls = getattr(transformers, prefix.removesuffix("Text") + "ForCausalLM")
     kw = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
               pad_token_id=None,  # Phi-3's default (32000) is past the tiny vocabulary
               initializer_range=0.1)  # larger than the default so logits are O(1) and differences show
     kw.update(extra)
+    kw.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).eval()
     if family in RANDOM_VECTORS:  # transformers initializes them to 0 and 1, which would hide a swapped or lost one
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.dim() == 1:
-                    mean = 0.0 if name.endswith(".bias") or family == "gemma2" else 1.0  # Gemma's norms store w - 1
+                    mean = 0.0 if name.endswith(".bias") or family.startswith("gemma") else 1.0  # Gemma: w - 1
                     p.normal_(mean, 0.1)  # a bias, or a norm's weight
     return model
 
@@ -149,7 +163,9 @@ def llama_gguf_writer(path, cfg, arch: str = "llama"):
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's sliding layers have their own: the caller writes it
+    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or rope["rope_theta"]))
     writer.add_vocab_size(cfg.vocab_size)
     if getattr(cfg, "num_local_experts", None):
         writer.add_expert_count(cfg.num_local_experts)

@@ -21,7 +21,8 @@ import torch.nn as nn
 from cli import default_model, run_cli
 from gptq import CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated
 from hffolder import read_quantization
-from load import checkpoint_state, load_model, resolve_model_path
+from checkpoint import checkpoint_state
+from load import load_model, resolve_model_path
 from quantize import MODES_HELP, parse_mode, quantization_of, weight_bytes
 from tokenizer import load_tokenizer
 

@@ -21,7 +21,8 @@ import torch
 
 from decode import generate
 from gguffile import named_tensors, read_gguf
-from load import checkpoint_state, load_model, load_state
+from checkpoint import checkpoint_state, load_state
+from load import load_model
 from model import Transformer
 from tiny_models import SEQ_LEN, make_hf
 

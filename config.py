@@ -3,7 +3,7 @@ and back to a config.json (export.py writes one for a GGUF source). Every value 
 so a bad checkpoint fails here, before any weight is read.
 """
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -69,6 +69,46 @@ def gemma3_rope(cfg: dict, rope: dict) -> tuple[dict, float]:
         raise ValueError(f"unsupported rope type {local['rope_type']!r} for Gemma 3's sliding layers; supported: "
                          "'default'")
     return full, positive_number(local.get("rope_theta", 10000.0), "config.json rope_local_base_freq")
+
+
+def hf_rope(cfg: dict, arch: str, max_positions: int) -> tuple[float, dict | None, float, float | None]:
+    """A config.json's RoPE: (theta, scaling or None, partial rotary factor, Gemma 3's local theta or None).
+    transformers >= 5 writes `rope_parameters` (with rope_theta inside); older ones `rope_scaling` + `rope_theta`."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"config.json rope_scaling must be an object, got {rope!r}")
+    rope, local_theta = gemma3_rope(cfg, rope) if arch == "Gemma3ForCausalLM" else (dict(rope), None)
+    rope_theta = positive_number(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)), "config.json rope_theta")
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first configs
+    partial = positive_number(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)),
+                              "config.json partial_rotary_factor")
+    if rope_type == "longrope" and cfg.get("original_max_position_embeddings") is not None:  # Phi-3 keeps it here
+        rope.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
+    if rope_type == "longrope" and "original_max_position_embeddings" in rope:
+        # the checkpoint's context extension, which sets the attention factor whatever context the model runs in
+        original = positive_int(rope["original_max_position_embeddings"],
+                                "config.json original_max_position_embeddings")
+        rope.setdefault("factor", max_positions / original)
+    return rope_theta, None if rope_type == "default" else {"rope_type": rope_type, **rope}, partial, local_theta
+
+def gguf_rope_scaling(meta: dict, arch: str, size: Callable, number: Callable,
+                      longrope: dict[str, list[float]] | None) -> dict | None:
+    """A GGUF file's RoPE scaling (None, linear, or Phi-3's longrope as llama.cpp's converter writes it: the factors
+    as tensors, the context they extend in the metadata), as ModelArgs.rope_scaling holds it."""
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", "linear"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear'")
+    rope_scaling = None
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
+    if longrope:
+        original = size("rope.scaling.original_context_length")
+        rope_scaling = {"rope_type": "longrope", **longrope, "original_max_position_embeddings": original,
+                        "factor": size("context_length", 4096) / original}
+        if f"{arch}.rope.scaling.attn_factor" in meta:
+            rope_scaling["attention_factor"] = number("rope.scaling.attn_factor", None)
+    return rope_scaling
 
 
 def gemma_gguf_args(meta: dict, arch: str, n_layers: int, dim_per_head: int, head_dim: int | None) -> dict:
@@ -206,23 +246,7 @@ class ModelArgs:
             value = default if value is None else value  # unset or null: the default (None: not used)
             return None if value is None else positive_int(value, f"config.json {key}")
 
-        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older ones `rope_scaling` + `rope_theta`.
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"config.json rope_scaling must be an object, got {rope!r}")
-        rope, local_theta = gemma3_rope(cfg, rope) if archs[0] == "Gemma3ForCausalLM" else (dict(rope), None)
-        rope_theta = positive_number(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)), "config.json rope_theta")
-        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-        rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first configs
-        partial = positive_number(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)),
-                                  "config.json partial_rotary_factor")
-        if rope_type == "longrope" and cfg.get("original_max_position_embeddings") is not None:  # Phi-3 keeps it here
-            rope.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
-        if rope_type == "longrope" and "original_max_position_embeddings" in rope:
-            # the checkpoint's context extension, which sets the attention factor whatever context the model runs in
-            original = positive_int(rope["original_max_position_embeddings"],
-                                    "config.json original_max_position_embeddings")
-            rope.setdefault("factor", size("max_position_embeddings", 4096) / original)
+        rope_theta, rope_scaling, partial, local_theta = hf_rope(cfg, archs[0], size("max_position_embeddings", 4096))
         head_dim = size("head_dim") or size("hidden_size") // size("num_attention_heads")
         tie = cfg.get("tie_word_embeddings", gemma)  # transformers' default: Gemma's configs leave it out, tied
         if not isinstance(tie, bool):
@@ -238,7 +262,7 @@ class ModelArgs:
             head_dim=size("head_dim"),
             norm_eps=positive_number(cfg.get("rms_norm_eps", 1e-6), "config.json rms_norm_eps"),
             rope_theta=rope_theta,
-            rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
+            rope_scaling=rope_scaling,
             max_seq_len=size("max_position_embeddings", 4096),
             # Qwen's config.json sets sliding_window but uses it only with use_sliding_window
             sliding_window=size("sliding_window") if archs[0] in WINDOWED else None,
@@ -276,18 +300,7 @@ class ModelArgs:
         def number(key: str, default: float) -> float:
             return positive_number(meta.get(f"{arch}.{key}", default), f"GGUF metadata {arch}.{key}")
 
-        scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-        if scaling_type not in ("none", "linear"):
-            raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear'")
-        rope_scaling = None
-        if scaling_type == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
-        if longrope:  # as llama.cpp's converter writes Phi-3's: the factors as tensors, the context they extend
-            original = size("rope.scaling.original_context_length")
-            rope_scaling = {"rope_type": "longrope", **longrope, "original_max_position_embeddings": original,
-                            "factor": size("context_length", 4096) / original}
-            if f"{arch}.rope.scaling.attn_factor" in meta:
-                rope_scaling["attention_factor"] = number("rope.scaling.attn_factor", None)
+        rope_scaling = gguf_rope_scaling(meta, arch, size, number, longrope)
         head_dim = size("attention.key_length") if f"{arch}.attention.key_length" in meta else None
         window = meta.get(f"{arch}.attention.sliding_window") or (4096 if arch == "gemma2" else 0)  # 0: none
         n_heads = size("attention.head_count")

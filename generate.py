@@ -375,7 +375,8 @@ def run(args: argparse.Namespace) -> None:
         tp.install(model)
     # auto compiles where it pays: in a chat, or for an answer long enough (step.COMPILE_PAYS_AFTER)
     decode_steps = None if args.interactive else new_tokens(args.max_new_tokens, max(map(len, prompts)), context, what)
-    step = Step(model, args.compile, args.compile_prefill, args.deterministic, decode_steps)
+    step = Step(model, args.compile, args.compile_prefill, args.deterministic, decode_steps,
+                pay_as_you_go=args.interactive)
     # The summary line after the speed: where and in what dtype it ran, what ran (read at the end: setup_line), then
     # the sharding, the weights and the constraint.
     where = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
@@ -470,6 +471,7 @@ def step_label(step: Step, args: argparse.Namespace) -> str:
     'eager (compile failed)' when auto's compile fell back."""
     if step.mode == "none":
         auto = f" (auto: a compile pays after {COMPILE_PAYS_AFTER} new tokens)" if args.compile == "auto" else ""
+        auto = f" (auto: blocks once the chat has decoded {COMPILE_PAYS_AFTER} tokens)" if step.deferred else auto
         return "eager (compile failed)" if step.failed else "eager, deterministic" if step.deterministic else \
             "eager" + auto
     return f"compiled: {step.mode}" + (" (+prefill)" if args.compile_prefill else
@@ -547,6 +549,7 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
     result."""
     context, what = context_of(args, model)
     session = Session(model, context, kv_dtype=args.kv_cache_dtype, window=window_of(args))
+    compiles = step.mode != "none"  # this turn's first decode step compiles (the first turn's, or after account)
     for n in range(1, sys.maxsize):
         if turn is None:
             if sys.stdin.isatty():
@@ -576,7 +579,8 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
         if not args.json:
             print_logprobs(c, tokenizer, args.logprobs)
         if not args.quiet:
-            print(f"turn {n} | {summary(c, step.mode != 'none' and n == 1)} | {setup_line()}", file=sys.stderr)
+            print(f"turn {n} | {summary(c, compiles)} | {setup_line()}", file=sys.stderr)
+        compiles = step.account(len(c.tokens))  # auto in a chat: eager until the decoded tokens pay for a compile
         messages.append({"role": "assistant", "content": c.text} if tools is None else tool_message(content, calls))
         turn = None
 

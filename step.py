@@ -27,8 +27,8 @@ COMPILE_MODES = ("auto", "none", "blocks", "full")
 COMPILE_PAYS_AFTER = 1000
 COMPILE_HELP = ("none: eager; blocks: one compiled graph for every layer's decode step (seconds to compile); "
         "full: the whole decode step as one graph (about a minute to compile on CPU, fastest); auto "
-        f"(default): blocks on CPU for a dense model in one process when it pays (a chat, a server, or at least "
-        f"{COMPILE_PAYS_AFTER} new tokens), else none")
+        f"(default): blocks on CPU for a dense model in one process when it pays (a server, at least "
+        f"{COMPILE_PAYS_AFTER} new tokens, or a chat once it has decoded that many), else none")
 DETERMINISTIC_HELP = ("batch-invariant forwards: a request's logits are bitwise the same whatever else is batched "
         "with it, however its prefill is chunked and whether its prefix was cached (eager; slower: README, Exactness)")
 
@@ -87,8 +87,8 @@ def skip_module_guards(guards) -> list[bool]:
 
 def auto_mode(model: Transformer, decode_steps: int | None = None) -> str:
     """What "auto" runs: "blocks" on CPU, where the eager step is dominated by per-op dispatch, for a dense model in
-    one process, when it pays: for decode_steps at least COMPILE_PAYS_AFTER, or unbounded (None: a chat, a server);
-    "none" for fewer, on CUDA, for Mixtral (no compile) and under tensor parallelism (tp.py)."""
+    one process, when it pays: for decode_steps at least COMPILE_PAYS_AFTER, or unbounded (None: a server, or a
+    chat, where Step.account defers it); "none" for fewer, on CUDA, for Mixtral (no compile) and under tensor parallelism (tp.py)."""
     dense = model.args.n_experts is None and all(block.all_reduce is None for block in model.layers)
     pays = decode_steps is None or decode_steps >= COMPILE_PAYS_AFTER
     return "blocks" if model.embed_tokens.weight.device.type == "cpu" and dense and pays else "none"
@@ -133,10 +133,11 @@ class Step:
     Exactness). "full": the whole one-token step as one graph (CUDA graphs on GPU), and with compile_prefill the
     multi-token forwards too, their length symbolic. "auto": auto_mode's choice, where a failed compile (no C++
     compiler, say) prints one warning and goes on eagerly; an explicit mode turns it into a one-line ValueError.
-    decode_steps: the decode steps the caller will run (None: unbounded), for auto's choice."""
+    decode_steps: the decode steps the caller will run (None: unbounded), for auto's choice; pay_as_you_go (a chat):
+    unbounded, but auto starts eager and compiles once the steps run pay for it (account)."""
 
     def __init__(self, model: Transformer, mode: str = "none", compile_prefill: bool = False,
-                 deterministic: bool = False, decode_steps: int | None = None):
+                 deterministic: bool = False, decode_steps: int | None = None, pay_as_you_go: bool = False):
         if mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile mode {mode!r}; choose from {', '.join(COMPILE_MODES)}")
         self.model = model
@@ -147,14 +148,21 @@ class Step:
         self.fallback = mode == "auto" and not compile_prefill
         self.failed = False  # the compile failed and the step went on eagerly (mode "none")
         self.mode = "full" if compile_prefill else auto_mode(model, decode_steps) if mode == "auto" else mode
+        self.decoded, self.deferred = 0, None  # pay_as_you_go: the decode steps run, and the mode to compile then
+        if mode == "auto" and pay_as_you_go and self.mode == "blocks":
+            self.mode, self.deferred = "none", "blocks"
         if self.mode != "none" and model.args.n_experts is not None:
             # Which experts run depends on the router's output, and each expert is its own module (so quantization
             # and tensor parallelism treat it as a dense MLP): a graph cannot pick a module by a computed index.
             raise ValueError("--compile does not support mixture-of-experts models (Mixtral); run with --compile none")
-        cpu = model.embed_tokens.weight.device.type == "cpu"
+        self.set_up(compile_prefill)
+
+    def set_up(self, compile_prefill: bool = False) -> None:
+        """The compiled callables self.mode runs (compiled on their first call)."""
+        cpu = self.model.embed_tokens.weight.device.type == "cpu"
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
         # first compile (README, Benchmarks).
-        options = {"cpp_wrapper": True, **vector_width(model)} if cpu and self.mode != "none" else {}  # Inductor: 3 s
+        options = {"cpp_wrapper": True, **vector_width(self.model)} if cpu and self.mode != "none" else {}  # 3 s
         if self.mode == "blocks":
             # Dynamo keeps its graphs on the code object, guarded on the module types (those guards stay): every
             # layer of this model shares one graph. A code object of its own per Step keeps another model's graphs,
@@ -162,6 +170,18 @@ class Step:
             self.block = torch.compile(own_code(Block.forward), fullgraph=True, options=options)
         if self.mode == "full":
             self.one, self.many = self.compile_full(options, compile_prefill)
+
+    def account(self, decode_steps: int) -> bool:
+        """An open-ended caller's (a chat's) count after each answer: with pay_as_you_go, auto runs eagerly until the
+        decode steps run reach COMPILE_PAYS_AFTER, when eager's overhead has cost about what the compile will, and
+        compiles then (a ski rental: at most twice the better choice in hindsight, and no compile before a first
+        answer). Between answers, so that no answer switches mid-way. True when the step now compiles."""
+        self.decoded += decode_steps
+        if self.deferred is None or self.decoded < COMPILE_PAYS_AFTER:
+            return False
+        self.mode, self.deferred = self.deferred, None
+        self.set_up()
+        return True
 
     def compile_full(self, options: dict, prefill: bool) -> tuple[Callable, Callable]:
         """The one-token forward as one graph, and the multi-token one (compiled with prefill, else eager). On GPU,

@@ -338,6 +338,23 @@ def test_interactive_chat_prefills_only_the_new_turn(capsys, monkeypatch, smollm
     assert prefilled1 == prompt1 and prefilled2 < 20 < prompt2
 
 
+
+@pytest.mark.slow
+def test_a_chat_compiles_only_once_its_answers_pay_for_it(capsys, monkeypatch, smollm2_gguf):
+    """auto in --interactive: the first answers run eagerly (no compile before a first answer); once the chat has
+    decoded COMPILE_PAYS_AFTER tokens the next answer's first decode step is the compile, reported as such."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    monkeypatch.setattr(step, "COMPILE_PAYS_AFTER", 6)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi.\nAnd then?\nGo on.\n"))
+    assert generate.main(["--model", smollm2_gguf, "--chat", "--interactive", "--temperature", "0",
+                          "--max-new-tokens", "4", "--ignore-eos"]) == 0
+    turns = [line for line in capsys.readouterr().err.splitlines() if line.startswith("turn ")]
+    assert len(turns) == 3 and len(compiled) == 1
+    for line in turns[:2]:  # 4 then 8 tokens decoded: the compile pays from the third answer on
+        assert "| eager (auto: blocks once the chat has decoded" in line and "(compile)" not in line
+    assert "| compiled: blocks (auto) |" in turns[2] and "first decode step (compile)" in turns[2]
+
 def test_bad_grammar_file_is_one_line(cli_error, tmp_path):
     bad = tmp_path / "bad.gbnf"
     bad.write_text('root ::= "a" missing\n')

@@ -101,6 +101,23 @@ def test_a_verify_runs_the_compiled_block_row_for_row(tiny):
         assert torch.equal(torch.cat(rows), verify), T
 
 
+
+def test_a_chat_runs_eager_until_its_decoded_tokens_pay_for_the_compile(tiny, monkeypatch):
+    """pay_as_you_go (generate.py --interactive): auto starts eager and compiles blocks only once the answers so far
+    have decoded COMPILE_PAYS_AFTER tokens, between answers; an explicit mode compiles at once; a model auto never
+    compiles stays eager."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    step = Step(tiny, "auto", pay_as_you_go=True)
+    assert step.mode == "none" and step.deferred == "blocks" and not compiled
+    assert step.account(COMPILE_PAYS_AFTER - 1) is False and step.mode == "none" and not compiled
+    assert step.account(1) is True and step.mode == "blocks" and len(compiled) == 1
+    assert step.account(5000) is False and len(compiled) == 1  # compiled once
+    assert torch.equal(greedy_steps(step, [7, 8, 9], 3), greedy_steps(Step(tiny), [7, 8, 9], 3))
+    assert Step(tiny, "blocks", pay_as_you_go=True).mode == "blocks" and len(compiled) == 2
+    none = Step(tiny, "auto", decode_steps=16, pay_as_you_go=True)  # a one-shot answer too short to pay
+    assert none.mode == "none" and none.deferred is None and none.account(COMPILE_PAYS_AFTER) is False
+
 def broken_compile(fn, **kwargs):
     """A torch.compile whose compiled function fails as Inductor does when it cannot build a kernel."""
     import torch._dynamo.exc

@@ -88,7 +88,8 @@ def skip_module_guards(guards) -> list[bool]:
 def auto_mode(model: Transformer, decode_steps: int | None = None) -> str:
     """What "auto" runs: "blocks" on CPU, where the eager step is dominated by per-op dispatch, for a dense model in
     one process, when it pays: for decode_steps at least COMPILE_PAYS_AFTER, or unbounded (None: a server, or a
-    chat, where Step.account defers it); "none" for fewer, on CUDA, for Mixtral (no compile) and under tensor parallelism (tp.py)."""
+    chat, where Step.account defers it); "none" for fewer, on CUDA, for Mixtral (no compile) and under tensor
+    parallelism (tp.py)."""
     dense = model.args.n_experts is None and all(block.all_reduce is None for block in model.layers)
     pays = decode_steps is None or decode_steps >= COMPILE_PAYS_AFTER
     return "blocks" if model.embed_tokens.weight.device.type == "cpu" and dense and pays else "none"

@@ -92,6 +92,7 @@ def hf_rope(cfg: dict, arch: str, max_positions: int) -> tuple[float, dict | Non
         rope.setdefault("factor", max_positions / original)
     return rope_theta, None if rope_type == "default" else {"rope_type": rope_type, **rope}, partial, local_theta
 
+
 def gguf_rope_scaling(meta: dict, arch: str, size: Callable, number: Callable,
                       longrope: dict[str, list[float]] | None) -> dict | None:
     """A GGUF file's RoPE scaling (None, linear, or Phi-3's longrope as llama.cpp's converter writes it: the factors

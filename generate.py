@@ -373,7 +373,8 @@ def run(args: argparse.Namespace) -> None:
     generator.manual_seed(seed if shard is None else tp.same_seed(seed, device))
     if shard is not None:
         tp.install(model)
-    # auto compiles where it pays: in a chat, or for an answer long enough (step.COMPILE_PAYS_AFTER)
+    # auto compiles where it pays: for an answer long enough (step.COMPILE_PAYS_AFTER), or in a chat once its
+    # answers have decoded that many (Step.account)
     decode_steps = None if args.interactive else new_tokens(args.max_new_tokens, max(map(len, prompts)), context, what)
     step = Step(model, args.compile, args.compile_prefill, args.deterministic, decode_steps,
                 pay_as_you_go=args.interactive)
@@ -579,7 +580,8 @@ def chat(args: argparse.Namespace, model: Transformer, tokenizer, params: Sampli
         if not args.json:
             print_logprobs(c, tokenizer, args.logprobs)
         if not args.quiet:
-            print(f"turn {n} | {summary(c, compiles)} | {setup_line()}", file=sys.stderr)
+            # a compile that failed during this answer fell back to eager: its first decode step was no compile
+            print(f"turn {n} | {summary(c, compiles and step.mode != 'none')} | {setup_line()}", file=sys.stderr)
         compiles = step.account(len(c.tokens))  # auto in a chat: eager until the decoded tokens pay for a compile
         messages.append({"role": "assistant", "content": c.text} if tools is None else tool_message(content, calls))
         turn = None

@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from cli import default_model, run_cli
-from gptq import CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated
+from gptq import (CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated,
+                  sampled_sequences)
 from hffolder import read_quantization
 from checkpoint import checkpoint_state
 from load import load_model, resolve_model_path
@@ -157,11 +158,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the scales and of the unquantized weights (default bfloat16)")
     p.add_argument("--method", default="rtn", choices=METHODS,
-                   help="rtn: round to nearest (default); gptq, awq: int4 from calibration activations (gptq.py)")
+                   help="rtn: round to nearest (default); gptq, awq, awq+gptq (AWQ's scales, then GPTQ): int4 from "
+                   "calibration activations (gptq.py)")
     p.add_argument("--calibration", default=CALIBRATION_FILE, metavar="FILE",
                    help="UTF-8 calibration text for gptq/awq (default: data/calibration.txt)")
     p.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
                    help="use the text's first N tokens (default: all)")
+    p.add_argument("--sampled-tokens", type=int, default=0, metavar="N",
+                   help="gptq/awq: also calibrate on about N tokens the model writes itself from the text (default 0)")
     p.add_argument("--act-order", action="store_true", help="gptq: round the inputs of largest activation first")
     return p.parse_args(argv)
 
@@ -169,13 +173,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_method(args: argparse.Namespace) -> None:
     """A ValueError for flags that do not go together, before anything is loaded."""
     kind, _ = parse_mode(args.mode)
-    if args.method == "rtn" and (args.act_order or args.calibration != CALIBRATION_FILE or args.calibration_tokens):
-        raise ValueError("--act-order, --calibration and --calibration-tokens need --method gptq or awq")
+    if args.method == "rtn" and (args.act_order or args.calibration != CALIBRATION_FILE or args.calibration_tokens
+                                 or args.sampled_tokens):
+        raise ValueError("--act-order, --calibration, --calibration-tokens and --sampled-tokens need a calibrated "
+                         "--method (gptq, awq, awq+gptq)")
     if args.method != "rtn" and (kind != "int4" or args.quantize_head):
         raise ValueError(f"--method {args.method} makes the block linears int4:G; got --mode {args.mode}"
                          f"{' with --quantize-head (the head takes --method rtn)' if args.quantize_head else ''}")
     if args.calibration_tokens is not None and args.calibration_tokens < 2:
         raise ValueError(f"--calibration-tokens {args.calibration_tokens}: must be at least 2")
+    if args.sampled_tokens < 0:
+        raise ValueError(f"--sampled-tokens {args.sampled_tokens}: must be 0 or more")
 
 
 def calibrated_model(args: argparse.Namespace, source: str):
@@ -184,7 +192,10 @@ def calibrated_model(args: argparse.Namespace, source: str):
 
     model, path = load_model(source, "cpu", getattr(torch, args.dtype), progress=sys.stderr.isatty(), quantize="none")
     tokens = load_eval_tokens(load_tokenizer(path), args.calibration, flag="--calibration")
-    seqs = calibration_sequences(tokens, args.calibration_tokens, min(SEQ_LEN, model.args.max_seq_len))
+    seq_len = min(SEQ_LEN, model.args.max_seq_len)
+    seqs = calibration_sequences(tokens, args.calibration_tokens, seq_len)
+    if args.sampled_tokens:
+        seqs += sampled_sequences(model, tokens, args.sampled_tokens, seq_len, progress=sys.stderr.isatty())
     return quantize_calibrated(model, args.mode, args.method, seqs, args.act_order, progress=sys.stderr.isatty())
 
 

@@ -22,9 +22,10 @@ from tqdm import tqdm
 
 from cli import default_model, run_cli
 from kvcache import KVCache
-from gptq import CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated
+from gptq import (CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated,
+                  sampled_sequences)
 from load import load_model, resolve_model_path
-from quantize import quantize_model, weight_bytes
+from quantize import parse_mode, quantize_model, weight_bytes
 from tokenizer import load_tokenizer
 
 DATA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pride_and_prejudice_ch1-2.txt")
@@ -64,11 +65,14 @@ def load_eval_tokens(tokenizer, text_file: str = DATA_FILE, max_tokens: int | No
     return tokens[:max_tokens] if max_tokens else tokens
 
 
-def variants(methods: tuple[str, ...]) -> list[tuple]:
-    """(weights, mode, method, head, KV cache) of each row: every mode by round-to-nearest (head too), the int4
-    modes by each other method."""
+MODES = ("int8", "int4:32", "int4:64", "int4:128")
+
+
+def variants(methods: tuple[str, ...], modes: tuple[str, ...] = MODES) -> list[tuple]:
+    """(weights, mode, method, head, KV cache) of each row: the float32 rows, then each mode by round-to-nearest
+    (head too) and the int4 modes by each other method."""
     rows = [("float32", None, "-", False, "model"), ("float32", None, "-", False, "int8")]
-    for mode in ("int8", "int4:32", "int4:64", "int4:128"):
+    for mode in modes:
         if "rtn" in methods:
             rows += [(mode, mode, "rtn", False, "model"), (mode, mode, "rtn", True, "model")]
         rows += [(mode, mode, m, False, "model") for m in methods if m != "rtn" and mode != "int8"]
@@ -77,27 +81,30 @@ def variants(methods: tuple[str, ...]) -> list[tuple]:
 
 def evaluate(model_path: str, text_file: str = DATA_FILE, device: str = "cpu", progress: bool = False,
              methods: tuple[str, ...] = ("rtn",), calibration: list[int] | None = None,
-             act_order: bool = False) -> list[dict]:
+             act_order: bool = False, sampled_tokens: int = 0, modes: tuple[str, ...] = MODES) -> list[dict]:
     """Rows of the quality table for the model at model_path (a float32 reference) over the text file; gptq / awq
-    rows are calibrated on the tokens `calibration` (another text's)."""
+    rows are calibrated on the tokens `calibration` (another text's) and about sampled_tokens the model writes from
+    them."""
     ref_model, path = load_model(model_path, device, torch.float32, quantize="none")  # a GGUF's blocks dequantized
     if calibration is not None:
-        calibration = calibration_sequences(calibration, None, min(SEQ_LEN, ref_model.args.max_seq_len))
+        seq_len = min(SEQ_LEN, ref_model.args.max_seq_len)
+        calibration = (calibration_sequences(calibration, None, seq_len) +
+                       sampled_sequences(ref_model, calibration, sampled_tokens, seq_len, progress=progress))
     tokens = load_eval_tokens(load_tokenizer(path), text_file, ref_model.args.max_seq_len)
     ref = teacher_forced_logprobs(ref_model, tokens)
     ref_ppl = compare(ref, ref, tokens)["ppl"]
     rows = []
-    for name, mode, method, head, kv in tqdm(variants(methods), desc="eval", disable=not progress):
+    for name, mode, method, head, kv in tqdm(variants(methods, modes), desc="eval", disable=not progress):
         if mode is None:
             model = ref_model
         elif method == "rtn":
             model = quantize_model(copy.deepcopy(ref_model), mode, head)
         else:
             model = quantize_calibrated(copy.deepcopy(ref_model), mode, method, calibration,
-                                        act_order and method == "gptq")
+                                        act_order and "gptq" in method)
         test = ref if (mode is None and kv == "model") else teacher_forced_logprobs(model, tokens, kv)
         row = compare(ref, test, tokens)
-        row.update(weights=name, method=method + (" act-order" if act_order and method == "gptq" else ""),
+        row.update(weights=name, method=method + (" act-order" if act_order and "gptq" in method else ""),
                    head="yes" if head else "no", kv_cache=kv, weight_bytes=weight_bytes(model),
                    dppl=row["ppl"] - ref_ppl, tokens=len(tokens))
         rows.append(row)
@@ -183,10 +190,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--text", default=DATA_FILE, metavar="FILE", help="UTF-8 text to score (default: data/)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--methods", default="rtn", help=f"comma-separated, of {', '.join(METHODS)} (default rtn)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated (default {','.join(MODES)})")
     p.add_argument("--act-order", action="store_true", help="gptq rows with act-order")
     p.add_argument("--calibration", default=CALIBRATION_FILE, metavar="FILE",
                    help="calibration text for gptq/awq (default: data/calibration.txt; keep it apart from --text)")
     p.add_argument("--calibration-tokens", type=int, default=None, metavar="N", help="its first N tokens (all)")
+    p.add_argument("--sampled-tokens", type=int, default=0, metavar="N",
+                   help="also calibrate on about N tokens the model writes itself from that text (default 0)")
     p.add_argument("--ctx", type=int, default=None, help="instead: the perplexity of the model as it loads, by "
                    "llama-perplexity's protocol with this context")
     p.add_argument("--llama-perplexity", default=None, metavar="BIN", help="with --ctx: llama.cpp's tool to run too")
@@ -203,6 +213,9 @@ def run(args: argparse.Namespace) -> None:
     methods = tuple(m.strip() for m in args.methods.split(","))
     if not methods or set(methods) - set(METHODS):
         raise ValueError(f"--methods {args.methods!r}: allowed {', '.join(METHODS)}, comma-separated")
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    for mode in modes:
+        parse_mode(mode)  # a ValueError naming an unknown mode
     calibration = None
     if set(methods) - {"rtn"}:
         if os.path.abspath(args.calibration) == os.path.abspath(args.text):
@@ -210,8 +223,10 @@ def run(args: argparse.Namespace) -> None:
         tokens = load_eval_tokens(load_tokenizer(resolve_model_path(model)), args.calibration,
                                   flag="--calibration")
         calibration = tokens[:args.calibration_tokens] if args.calibration_tokens else tokens
+    if args.sampled_tokens < 0:
+        raise ValueError(f"--sampled-tokens {args.sampled_tokens}: must be 0 or more")
     print(format_table(evaluate(model, args.text, args.device, sys.stderr.isatty(), methods, calibration,
-                                args.act_order)))
+                                args.act_order, args.sampled_tokens, modes)))
 
 
 def main(argv: list[str] | None = None) -> int:

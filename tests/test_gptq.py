@@ -6,7 +6,8 @@ import copy
 import pytest
 import torch
 
-from gptq import awq_fold, awq_scale, gptq_solve, input_stats, int4_params, quantize_calibrated, round_column, rtn_weight
+from gptq import (awq_fold, awq_scale, gptq_solve, input_stats, int4_params, quantize_calibrated, round_column,
+                  rtn_weight, sampled_sequences)
 from load import load_model
 from quantize import Int4Linear, dequantize_int4, unpermute_columns
 
@@ -120,9 +121,9 @@ def test_awq_scale_reduces_output_error_against_rtn(group):
     assert err_awq < 0.9 * err_rtn
 
 
-@pytest.mark.parametrize("method", ["gptq"])
+@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
 def test_calibrated_model_closer_than_rtn(tiny, method):
-    """On a tiny random model, GPTQ int4:64 logits are closer to the float model's than round-to-nearest's, on the
+    """On a tiny random model, GPTQ int4:64 logits (after AWQ's folded scales too) are closer to the float model's than round-to-nearest's, on the
     calibration sequences."""
     from quantize import quantize_model
 
@@ -136,6 +137,21 @@ def test_calibrated_model_closer_than_rtn(tiny, method):
     err = {name: (m(tokens, pos, all_logits=True) - want).pow(2).mean() for name, m in
            (("rtn", rtn), ("cal", calibrated))}
     assert err["cal"] < err["rtn"]
+
+
+def test_sampled_sequences(tiny):
+    """Self-sampled calibration: enough seq_len sequences for the tokens asked, each from a 4-token window of the
+    text, the same for the same seed, another for another; a sharp model's samples follow its argmax."""
+    text = list(range(10, 60))
+    seqs = sampled_sequences(tiny, text, 70, 24, seed=1, batch=2)
+    assert len(seqs) == 3 and all(len(s) == 24 for s in seqs)
+    assert all(any(s[:4] == text[i:i + 4] for i in range(len(text) - 3)) for s in seqs)
+    assert sampled_sequences(tiny, text, 70, 24, seed=1, batch=2) == seqs != sampled_sequences(tiny, text, 70, 24, 2)
+    sharp = copy.deepcopy(tiny)
+    sharp.lm_head.weight.data *= 1e4  # temperature 1 on these logits is greedy
+    seq = sampled_sequences(sharp, text, 24, 24, seed=3)[0]
+    pos = torch.arange(23)
+    assert sharp(torch.tensor([seq[:-1]]), pos, all_logits=True)[0, 3:].argmax(-1).tolist() == seq[4:]
 
 
 def test_act_order_checkpoint_reloads_exactly(tiny_dir, tmp_path):
@@ -161,6 +177,8 @@ def test_act_order_checkpoint_reloads_exactly(tiny_dir, tmp_path):
 def test_refusals(tiny):
     with pytest.raises(ValueError, match="GPTQ and AWQ make int4:G"):
         quantize_calibrated(copy.deepcopy(tiny), "int8", "gptq", [[1, 2, 3]])
+    with pytest.raises(ValueError, match="--method gptq2"):
+        quantize_calibrated(copy.deepcopy(tiny), "int4:32", "gptq2", [[1, 2, 3]])
     with pytest.raises(ValueError, match="--act-order is GPTQ's"):
         quantize_calibrated(copy.deepcopy(tiny), "int4:32", "awq", [[1, 2, 3]], act_order=True)
 
@@ -171,7 +189,8 @@ def test_export_gptq_act_order_folder(tiny_text_dir, tmp_path):
 
     out = tmp_path / "gptq"
     assert export.main(["--model", tiny_text_dir, "--mode", "int4:64", "--method", "gptq", "--act-order",
-                        "--calibration-tokens", "500", "--dtype", "float32", "--out", str(out)]) == 0
+                        "--calibration-tokens", "500", "--sampled-tokens", "100", "--dtype", "float32",
+                        "--out", str(out)]) == 0
     loaded, _ = load_model(str(out), "cpu", torch.float32)
     qkv = loaded.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, Int4Linear) and qkv.group_size == 64
@@ -181,7 +200,9 @@ def test_export_gptq_act_order_folder(tiny_text_dir, tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--mode", "int8", "--method", "gptq"], "--method gptq makes the block linears int4:G"),
     (["--mode", "int4:32", "--method", "awq", "--quantize-head"], "the head takes --method rtn"),
-    (["--mode", "int4:32", "--act-order"], "need --method gptq or awq"),
+    (["--mode", "int4:32", "--act-order"], "need a calibrated --method"),
+    (["--mode", "int4:32", "--sampled-tokens", "64"], "need a calibrated --method"),
+    (["--mode", "int4:32", "--method", "gptq", "--sampled-tokens", "-1"], "must be 0 or more"),
     (["--mode", "int4:32", "--method", "gptq", "--calibration-tokens", "1"], "must be at least 2")])
 def test_export_method_flags_checked_first(tiny_text_dir, tmp_path, cli_error, argv, message):
     import export

@@ -66,10 +66,28 @@ def test_cli_rows_per_method(tiny_text_dir, tmp_path, capsys):
     assert all(math.isfinite(float(r[7])) for r in rows)
 
 
+def test_cli_modes_and_sampled_calibration(tiny_text_dir, tmp_path, capsys, cli_error):
+    """--modes keeps those rows only; --sampled-tokens calibrates on text the model writes too (another result)."""
+    text = tmp_path / "eval.txt"
+    text.write_text("Mr. Bennet was so odd a mixture of quick parts, sarcastic humour, reserve, and caprice.\n" * 3)
+    kls = []
+    for sampled in ("0", "300"):
+        assert quality.main(["--model", tiny_text_dir, "--text", str(text), "--methods", "awq+gptq", "--modes",
+                             "int4:64", "--calibration-tokens", "300", "--sampled-tokens", sampled]) == 0
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()[2:]]
+        assert [(r[0], r[1]) for r in rows] == [("float32", "-"), ("float32", "-"), ("int4:64", "awq+gptq")]
+        kls.append(float(rows[-1][5]))
+    assert kls[0] != kls[1]
+    err = cli_error(quality.main, ["--model", tiny_text_dir, "--modes", "int4:64,int4:48"])
+    assert "group size '48' in 'int4:48'" in err
+    assert "must be 0 or more" in cli_error(quality.main, ["--model", tiny_text_dir, "--methods", "gptq",
+                                                           "--sampled-tokens", "-5"])
+
+
 def test_cli_refuses_calibrating_on_the_evaluation_text(tiny_text_dir, cli_error):
     err = cli_error(quality.main, ["--model", tiny_text_dir, "--methods", "gptq", "--calibration", quality.DATA_FILE])
     assert "is the --text: calibrate on other text" in err
-    assert "allowed rtn, gptq, awq" in cli_error(quality.main, ["--model", tiny_text_dir, "--methods", "gptq,best"])
+    assert "allowed rtn, gptq, awq, awq+gptq" in cli_error(quality.main, ["--model", tiny_text_dir, "--methods", "gptq,best"])
 
 
 def test_chunked_perplexity_is_llama_perplexity_protocol(tiny):

@@ -1,9 +1,11 @@
 """Write a quantized checkpoint folder that `generate.py --model DIR` loads:
 
     python export.py --model M --mode int4:64 --out DIR
-    python export.py --model M --mode int4:128 --method gptq [--act-order] [--calibration FILE] --out DIR
+    python export.py --model M --mode int4:128 --method awq+gptq [--act-order] [--calibration FILE]
+        [--sampled-tokens N] --out DIR
 
---method rtn rounds each weight to the nearest code; gptq and awq (gptq.py) use calibration text's activations.
+--method rtn rounds each weight to the nearest code; gptq, awq and awq+gptq (gptq.py) use the activations of
+calibration text, and of about N tokens the model writes itself from it.
 
 model.safetensors holds the quantized modules' tensors with the mode in its metadata (hffolder.read_quantization),
 beside config.json and the tokenizer files (copied from a Hugging Face folder, or built from a GGUF vocabulary).
@@ -187,15 +189,15 @@ def check_method(args: argparse.Namespace) -> None:
 
 
 def calibrated_model(args: argparse.Namespace, source: str):
-    """The float model quantized with GPTQ / AWQ on the calibration text."""
+    """The float model quantized with GPTQ / AWQ on the calibration text and the text it samples from it."""
     from quality import load_eval_tokens
 
     model, path = load_model(source, "cpu", getattr(torch, args.dtype), progress=sys.stderr.isatty(), quantize="none")
     tokens = load_eval_tokens(load_tokenizer(path), args.calibration, flag="--calibration")
     seq_len = min(SEQ_LEN, model.args.max_seq_len)
-    seqs = calibration_sequences(tokens, args.calibration_tokens, seq_len)
-    if args.sampled_tokens:
-        seqs += sampled_sequences(model, tokens, args.sampled_tokens, seq_len, progress=sys.stderr.isatty())
+    tokens = tokens[:args.calibration_tokens] if args.calibration_tokens else tokens
+    seqs = calibration_sequences(tokens, None, seq_len)
+    seqs += sampled_sequences(model, tokens, args.sampled_tokens, seq_len, progress=sys.stderr.isatty())
     return quantize_calibrated(model, args.mode, args.method, seqs, args.act_order, progress=sys.stderr.isatty())
 
 

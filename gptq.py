@@ -292,7 +292,7 @@ def quantize_calibrated(model: nn.Module, mode: str, method: str, sequences: lis
     for block in tqdm(model.layers, desc=method, unit="layer", disable=not progress):
         linears = {name: m for name, m in block.named_modules() if isinstance(m, nn.Linear)}
         stats = input_stats(block, list(linears.values()), states)
-        scales = awq_fold(block, stats, group) if method in ("awq", "awq+gptq") else {}
+        scales = awq_fold(block, stats, group) if "awq" in method else {}
         for name, m in linears.items():
             H = stats[m][0]
             if m in scales:  # the inputs are x / s now

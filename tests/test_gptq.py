@@ -123,8 +123,8 @@ def test_awq_scale_reduces_output_error_against_rtn(group):
 
 @pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
 def test_calibrated_model_closer_than_rtn(tiny, method):
-    """On a tiny random model, GPTQ int4:64 logits (after AWQ's folded scales too) are closer to the float model's than round-to-nearest's, on the
-    calibration sequences."""
+    """On a tiny random model, GPTQ int4:64 logits (after AWQ's folded scales too) are closer to the float model's
+    than round-to-nearest's, on the calibration sequences."""
     from quantize import quantize_model
 
     gen = torch.Generator().manual_seed(4)

@@ -145,12 +145,14 @@ class Filler:
             self.target(name)
         self.model.lm_head.load_codes(codes.to(self.device), scales.to(self.device))
 
-    def finish(self) -> Transformer:
+    def finish(self, restored: bool = False) -> Transformer:
+        """restored: the model was filled whole from a weights cache entry (weightcache.py), not tensor by tensor
+        through this Filler, so only the meta-device check applies."""
         model = self.model
         if model.args.tie_embeddings and isinstance(model.lm_head, nn.Linear):
             model.lm_head.weight = model.embed_tokens.weight  # one Parameter, as the model was built
         model.reset_rope(self.device)
-        missing = sorted(self.expected - self.filled)
+        missing = [] if restored else sorted(self.expected - self.filled)
         on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if missing or on_meta:
             raise ValueError(f"{self.source}: loading left tensors unfilled: missing {missing[:5]}, "

@@ -1,5 +1,6 @@
 """What the command-line entry points share (generate.py, serve.py, bench.py, export.py, quality.py, loadtest.py):
-the default model, device and dtype choice, input checks, text from a file or stdin, --threads and --version, and
+the default model, device and dtype choice, input checks, text from a file or stdin, --threads, --weights-cache and
+--version, and
 one `error:` line instead of a traceback."""
 import importlib.util
 import os
@@ -12,6 +13,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 FALLBACK_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 VERSION = "0.1.0"  # the runtime's version, as --version prints it
 THREADS_HELP = "CPU threads torch computes with (torch.set_num_threads; default: torch's, one per core)"
+WEIGHTS_CACHE_HELP = ("where a GGUF file's converted tensors are kept, so that the next load of it reads them "
+                      "instead of converting (default: $XDG_CACHE_HOME/tinyllm or ~/.cache/tinyllm); none: convert "
+                      "every time")
 
 
 def default_model() -> str:
@@ -22,6 +26,17 @@ def default_model() -> str:
         if os.path.isfile(path):
             return path
     return FALLBACK_MODEL
+
+
+def weights_cache(value: str | None) -> str | None:
+    """The --weights-cache directory: the default one for None, no cache for "none"."""
+    if value == "none":
+        return None
+    if value is not None:
+        return os.path.expanduser(value)
+    from weightcache import default_dir
+
+    return default_dir()
 
 
 def pick_device(name: str | None) -> torch.device:

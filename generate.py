@@ -35,8 +35,9 @@ from collections.abc import Callable
 import torch
 
 import tp
-from cli import (DTYPES, FALLBACK_MODEL, THREADS_HELP, check_seed, check_text, default_model, pick_device,
-                 pick_dtype, read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line)
+from cli import (DTYPES, FALLBACK_MODEL, THREADS_HELP, WEIGHTS_CACHE_HELP, check_seed, check_text, default_model,
+                 pick_device, pick_dtype, read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line,
+                 weights_cache)
 from decode import UNBOUNDED, Session, check_request, fit_new_tokens, generate, generate_batch
 from grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
 from hffolder import generation_defaults
@@ -175,6 +176,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speculate-k", type=int, default=4, metavar="K",
                    help="with a draft: tokens drafted per target forward (default 4, >= 1)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
+    p.add_argument("--weights-cache", default=None, metavar="DIR", help=WEIGHTS_CACHE_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bars and no summary line")
     p.add_argument("--version", action="version", version=version_line())
     return p.parse_args(argv)
@@ -302,7 +304,8 @@ def make_draft(args: argparse.Namespace, model: Transformer, path: str, device: 
     """The draft the flags ask for: prompt lookup, --draft-model, or the target loaded again quantized."""
     if args.prompt_lookup:
         return PromptLookupDraft()
-    draft, _ = load_model(args.draft_model or path, device, dtype, progress=progress, quantize=args.draft_quantize)
+    draft, _ = load_model(args.draft_model or path, device, dtype, progress=progress, quantize=args.draft_quantize,
+                          cache_dir=weights_cache(args.weights_cache))
     step = Step(draft, args.compile, args.compile_prefill, decode_steps=decode_steps)  # run as the target is
     return ModelDraft(draft.eval(), model, step)
 
@@ -364,7 +367,7 @@ def run(args: argparse.Namespace) -> None:
                tokenizer.encode(t, special=special) for t in texts]  # none with --interactive: chat() renders each turn
     # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
     model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
-                          quantize_head=args.quantize_head, shard=shard)
+                          quantize_head=args.quantize_head, shard=shard, cache_dir=weights_cache(args.weights_cache))
     context, what = context_of(args, model)
     for prompt in prompts:
         check_request(prompt, 1, context, what)

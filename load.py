@@ -28,6 +28,7 @@ from tqdm import tqdm
 import gguffile
 import hffolder
 import hfquant
+import weightcache
 from checkpoint import Filler, check_tensors, checkpoint_shapes, checkpoint_state
 from config import ModelArgs
 from model import Transformer
@@ -75,14 +76,16 @@ def resolve_model_path(model: str) -> str:
 
 
 def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progress: bool = False,
-               quantize: str | None = None, quantize_head: bool = False, shard=None) -> tuple[Transformer, str]:
+               quantize: str | None = None, quantize_head: bool = False, shard=None,
+               cache_dir: str | None = None) -> tuple[Transformer, str]:
     """Load `model` (HF folder, hub id or .gguf file) onto device in dtype; returns (model, local path).
     quantize ('int8', 'int4', 'int4:GROUP') quantizes the linear layers (and the head with quantize_head)
     while loading; None loads the checkpoint as it is: a quantized folder as saved, a GGUF file's Q4_0/Q4_1/Q4_K
     linears as int4:32 codes (GGUFRoutes), anything else in dtype; 'none' dequantizes a GGUF file's
     quantized tensors too. A quantized folder cannot be re-quantized: a different `quantize` for it is an error.
     shard (a tp.Shard) loads only this rank's slices into its smaller model (safetensors: only those bytes
-    are read), ready for tp.install."""
+    are read), ready for tp.install. cache_dir: a GGUF file loaded onto the CPU whole reads its converted tensors
+    from there when an earlier load wrote them, else writes them (weightcache.py); None converts every time."""
     request = Request.parse(quantize, quantize_head)
     path = resolve_model_path(model)
     if os.path.isdir(path):
@@ -94,7 +97,7 @@ def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progr
         raise ValueError(f"cannot read {path!r}: {e.strerror or e}") from None
     if magic != b"GGUF":
         raise ValueError(f"{path!r} is neither a Hugging Face model folder nor a GGUF file")
-    return load_gguf(path, device, dtype, progress, request, shard), path
+    return load_gguf(path, torch.device(device), dtype, progress, request, shard, cache_dir), path
 
 
 def release_freed_memory() -> None:
@@ -279,18 +282,19 @@ def with_rope_freqs(args: ModelArgs, rope_freqs, path: str) -> ModelArgs:
     return dataclasses.replace(args, rope_freq_factors=tuple(float(x) for x in rope_freqs.data))
 
 
-def load_gguf(path: str, device, dtype: torch.dtype, progress: bool, request: Request, shard) -> Transformer:
+def load_gguf(path: str, device: torch.device, dtype: torch.dtype, progress: bool, request: Request, shard,
+              cache_dir: str | None = None) -> Transformer:
     """A GGUF file (config.GGUF_ARCHITECTURES): dequantized to dtype with the gguf package (or, with a mode,
-    from float32 straight to int8/int4 codes), or its Q4 linears and Q8_0 head as their codes (GGUFRoutes)."""
+    from float32 straight to int8/int4 codes), or its Q4 linears and Q8_0 head as their codes (GGUFRoutes). With
+    cache_dir (CPU, no shard), from a weights cache entry when there is one, which a miss writes (weightcache.py)."""
     try:
-        meta, file_tensors = gguffile.read_gguf(path)
+        meta, file_tensors = gguffile.read_gguf(path, string_arrays=False)  # the vocabulary is the tokenizer's
     except (ValueError, OSError) as e:
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from None
     longrope = {f"{kind}_factor": [float(x) for x in t.data] for t in file_tensors for kind in ("long", "short")
                 if t.name == f"rope_factors_{kind}.weight"}  # Phi-3's, a few numbers each
     full_args = ModelArgs.from_gguf(meta, {t.name for t in file_tensors}, longrope or None)
     arch = meta["general.architecture"]
-    del meta  # the vocabulary's ~100k strings are not needed any more
     tensors, full_shapes = gguffile.named_tensors(file_tensors, arch)
     full_args = with_rope_freqs(full_args, tensors.pop("rope_freqs.weight", None), path)
     for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
@@ -303,7 +307,14 @@ def load_gguf(path: str, device, dtype: torch.dtype, progress: bool, request: Re
     filler = Filler(model, device, dtype, path)
     routes = GGUFRoutes.decide(tensors, filler.slots, full_args, arch, request, shard)
     routes.swap_modules(model, request)
+    entry = None if cache_dir is None or shard is not None or device.type != "cpu" else \
+        weightcache.Entry.of(cache_dir, path, device, dtype, request)
+    if entry is not None and entry.restore(model):
+        return filler.finish(restored=True)
     for name, t in tqdm(tensors.items(), desc="loading", disable=not progress, unit="tensor"):
         routes.put(filler, name, t, full_shapes[name])
         release_freed_memory()
-    return filler.finish()
+    model = filler.finish()
+    if entry is not None:
+        entry.store(model)
+    return model

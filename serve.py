@@ -58,7 +58,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from answer import Answer
-from cli import DTYPES, THREADS_HELP, default_model, pick_device, pick_dtype, run_cli, set_threads
+from cli import (DTYPES, THREADS_HELP, WEIGHTS_CACHE_HELP, default_model, pick_device, pick_dtype, run_cli, set_threads,
+                 weights_cache)
 from engine import Engine, EngineConfig, Event, QueueFull, Request
 from gate import (BACKLOG, LOCAL_HOSTS, Connections, Gate, GuardedH11Protocol, QuietLoopErrors, ServeConfig, error,
                   use_file_descriptors)
@@ -550,6 +551,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the syntax the model writes tool calls in (default: recognised from its chat template, else "
                    "hermes; see README, Tool calling)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
+    p.add_argument("--weights-cache", default=None, metavar="DIR", help=WEIGHTS_CACHE_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
     return p.parse_args(argv)
 
@@ -640,7 +642,7 @@ def run(args: argparse.Namespace) -> None:
     dtype, dtype_why = pick_dtype(args.dtype, device)
     model_path = args.model or default_model()
     model, path = load_model(model_path, device, dtype, progress=not args.quiet and sys.stderr.isatty(),
-                             quantize=args.quantize)
+                             quantize=args.quantize, cache_dir=weights_cache(args.weights_cache))
     tokenizer = load_tokenizer(path)
     engine = make_engine(args, model, tokenizer)
     config = engine.config

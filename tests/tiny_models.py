@@ -1,10 +1,13 @@
 """Tiny random Hugging Face models (no download) shared by the tests, the simple references the fast paths are
-checked against (plain attention, an uncached greedy loop), and the greedy token ids of decode.generate."""
+checked against (plain attention, an uncached greedy loop), the greedy token ids of decode.generate, and tiny llama
+GGUF files written from a random transformers model."""
 import math
 
+import numpy as np
 import torch
 
 from decode import generate
+from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
 from hffolder import tensor_names
 from checkpoint import load_state
 from model import ModelArgs, Transformer
@@ -171,3 +174,52 @@ def llama_gguf_writer(path, cfg, arch: str = "llama"):
         writer.add_expert_count(cfg.num_local_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
     return writer
+
+
+def make_hf_llama(tied: bool, seed: int = 0):
+    """A random fp32 LlamaForCausalLM: K of every linear a multiple of 32 (intermediate 128), as Q4 blocks need."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=tied)
+    return LlamaForCausalLM(config).eval()
+
+
+def write_llama_gguf(path, hf, linear_type: str, types: dict[str, str] | None = None) -> str:
+    """Write `hf` as a llama GGUF: block linears (attn_q/k/v/output, ffn_gate/up/down) in `linear_type` (F32,
+    Q4_0, Q4_1, Q8_0; `types` overrides it per GGUF block name, and sets token_embd's and output's, F32 by default),
+    everything else F32; a tied model has no `output` tensor, as llama.cpp writes it."""
+    import gguf
+
+    cfg = hf.config
+    writer = llama_gguf_writer(path, cfg)
+
+    ours = {v: k for k, v in GGUF_TOP_NAMES.items()}
+    block = {v: k for k, v in GGUF_BLOCK_NAMES.items()}
+    for name, t in hf.state_dict().items():
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w = t.float().numpy()
+        parts = name.split(".")
+        if parts[0] == "layers":
+            kind = block[".".join(parts[2:-1])]
+            gguf_name = f"blk.{parts[1]}.{kind}.weight"
+            if kind in ("attn_q", "attn_k"):
+                w = llama_cpp_permute(w, cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads)
+            qtype = None if w.ndim == 1 else (types or {}).get(kind, linear_type)
+        else:
+            gguf_name = f"{ours[parts[0]]}.weight"
+            qtype = None if w.ndim == 1 else (types or {}).get(ours[parts[0]])
+        if qtype in (None, "F32"):
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w, dtype=np.float32))
+        else:
+            raw = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, raw), raw_dtype=raw)  # (N, bytes per row)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

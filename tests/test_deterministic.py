@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import generate
 import invariant
+from cli import native_bf16
 from decode import new_cache
 from engine import Engine, EngineConfig, Request
 from helpers import ToyTokenizer
@@ -179,7 +180,8 @@ def test_served_logprobs_are_bitwise_equal_only_when_deterministic(tiny):
 @pytest.mark.parametrize("quantize", [None, "none"])
 def test_smollm2_served_logprobs_are_bitwise_equal(smollm2_gguf, smollm2_tokenizer, quantize):
     """SmolLM2 in bf16 with the GGUF's int4 linears (as serve.py loads it by default) and dequantized to bf16
-    weights, where the default's one-row steps (MKL) and batches (oneDNN) differ. Through serve.py's flag."""
+    weights, where the default's one-row steps (MKL) and batches (oneDNN) differ on a CPU with native bf16 (on an
+    AVX2 one, AMD Zen 3, they gave equal logprobs). Through serve.py's flag."""
     from load import load_model
     from serve import make_engine, parse_args
 
@@ -192,7 +194,7 @@ def test_smollm2_served_logprobs_are_bitwise_equal(smollm2_gguf, smollm2_tokeniz
     engine = make_engine(parse_args(["--deterministic"]), model, smollm2_tokenizer)
     assert engine.decode_step.deterministic
     assert served_logprobs(engine, [target], 6)[0] == det["alone"]
-    if quantize == "none":
+    if quantize == "none" and native_bf16(torch.device("cpu")):  # emulated bf16 (AVX2) happens to be row-invariant
         default = scenarios(model, False, target, 6, warm)
         assert default["15 concurrent"] != default["alone"] and default["chunked prefill"] != default["alone"]
 

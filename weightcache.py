@@ -23,7 +23,7 @@ import sys
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from quantize import Int4Linear
@@ -113,7 +113,7 @@ class Entry:
             os.makedirs(self.directory, exist_ok=True)
             save_file(tensors, temporary, metadata={"key": json.dumps(self.key), "layouts": json.dumps(layouts)})
             os.replace(temporary, self.file)
-        except (OSError, RuntimeError, ValueError) as e:
+        except (OSError, RuntimeError, ValueError, SafetensorError) as e:  # safetensors' own for its I/O errors
             print(f"warning: could not write the weights cache {self.file} ({type(e).__name__}: {e})",
                   file=sys.stderr)
             if os.path.exists(temporary):

@@ -7,6 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
 import load
 import weightcache
 from helpers import run_py
@@ -113,13 +116,11 @@ def test_a_broken_entry_is_converted_again(q4_file, tmp_path, capsys):
     assert os.path.getsize(os.path.join(cache, entry)) > 0 and entries(cache) == [entry]  # written again
 
 
-def test_an_entry_that_does_not_fit_the_structure_is_a_miss(q4_file, tmp_path, monkeypatch):
+def test_an_entry_that_does_not_fit_the_structure_is_a_miss(q4_file, tmp_path):
     """An entry naming a tensor the model has no place for (written by other code, say) fills nothing."""
     cache = str(tmp_path)
     want, _ = load.load_model(q4_file, "cpu", torch.float32, cache_dir=cache)
     (entry,) = entries(cache)
-    from safetensors.torch import load_file, save_file
-    from safetensors import safe_open
     with safe_open(os.path.join(cache, entry), "pt") as f:
         meta = f.metadata()
     tensors = load_file(os.path.join(cache, entry))
@@ -135,6 +136,18 @@ def test_an_unwritable_cache_is_a_warning(q4_file, tmp_path, capsys):
     model, _ = load.load_model(q4_file, "cpu", torch.float32, cache_dir=str(blocker / "cache"))
     assert "could not write the weights cache" in capsys.readouterr().err
     assert model.layers[0].mlp.down_proj.kernel == "cpu"
+
+
+def test_a_failed_write_is_a_warning(q4_file, tmp_path, monkeypatch, capsys):
+    """safetensors raises its own error type for an I/O error while writing (a full disk): a warning too, and no
+    temporary file is left."""
+    def full_disk(tensors, path, metadata=None):
+        open(path, "wb").close()
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+    monkeypatch.setattr(weightcache, "save_file", full_disk)
+    model, _ = load.load_model(q4_file, "cpu", torch.float32, cache_dir=str(tmp_path))
+    assert "could not write the weights cache" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == [] and model.layers[0].mlp.down_proj.kernel == "cpu"
 
 
 @pytest.mark.slow

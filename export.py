@@ -1,11 +1,11 @@
 """Write a quantized checkpoint folder that `generate.py --model DIR` loads:
 
     python export.py --model M --mode int4:64 --out DIR
-    python export.py --model M --mode int4:128 --method awq+gptq [--act-order] [--calibration FILE]
-        [--sampled-tokens N] --out DIR
+    python export.py --model M --mode int4:128 --method awq+round [--calibration FILE] [--sampled-tokens N] --out DIR
+    python export.py --model M --mode int4:128 --method awq+gptq --act-order --out DIR
 
---method rtn rounds each weight to the nearest code; gptq, awq and awq+gptq (gptq.py) use the activations of
-calibration text, and of about N tokens the model writes itself from it.
+--method rtn rounds each weight to the nearest code; gptq, awq, awq+gptq, round and awq+round (gptq.py) use the
+activations of calibration text, and of about N tokens the model writes itself from it.
 
 model.safetensors holds the quantized modules' tensors with the mode in its metadata (hffolder.read_quantization),
 beside config.json and the tokenizer files (copied from a Hugging Face folder, or built from a GGUF vocabulary).
@@ -160,8 +160,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the scales and of the unquantized weights (default bfloat16)")
     p.add_argument("--method", default="rtn", choices=METHODS,
-                   help="rtn: round to nearest (default); gptq, awq, awq+gptq (AWQ's scales, then GPTQ): int4 from "
-                   "calibration activations (gptq.py)")
+                   help="rtn: round to nearest (default); gptq, awq, awq+gptq (AWQ's scales, then GPTQ), round "
+                   "(learned rounding), awq+round: int4 from calibration activations (gptq.py)")
     p.add_argument("--calibration", default=CALIBRATION_FILE, metavar="FILE",
                    help="UTF-8 calibration text for gptq/awq (default: data/calibration.txt)")
     p.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
@@ -178,7 +178,7 @@ def check_method(args: argparse.Namespace) -> None:
     if args.method == "rtn" and (args.act_order or args.calibration != CALIBRATION_FILE or args.calibration_tokens
                                  or args.sampled_tokens):
         raise ValueError("--act-order, --calibration, --calibration-tokens and --sampled-tokens need a calibrated "
-                         "--method (gptq, awq, awq+gptq)")
+                         f"--method ({', '.join(METHODS[1:])})")
     if args.method != "rtn" and (kind != "int4" or args.quantize_head):
         raise ValueError(f"--method {args.method} makes the block linears int4:G; got --mode {args.mode}"
                          f"{' with --quantize-head (the head takes --method rtn)' if args.quantize_head else ''}")
@@ -189,7 +189,7 @@ def check_method(args: argparse.Namespace) -> None:
 
 
 def calibrated_model(args: argparse.Namespace, source: str):
-    """The float model quantized with GPTQ / AWQ on the calibration text and the text it samples from it."""
+    """The float model quantized with GPTQ / AWQ / learned rounding on the calibration text and the text it samples from it."""
     from quality import load_eval_tokens
 
     model, path = load_model(source, "cpu", getattr(torch, args.dtype), progress=sys.stderr.isatty(), quantize="none")

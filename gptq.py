@@ -11,10 +11,15 @@ M calibration rows (tokens), C model width, F one MLP's width.
   grid) before round-to-nearest, so salient channels lose less; x / s is folded into what produces x (a norm's
   weight, the up projection's rows, v's rows), so the float model computes the same function before rounding.
 - awq+gptq: AWQ's scales folded first, then GPTQ of the scaled weights with the scaled inputs' H.
+- round, awq+round: learned rounding (AutoRound, Cheng et al. 2023), after AWQ's fold or without: each weight's
+  rounding offset in [-0.5, 0.5] and each group's min and max shrink in [0.5, 1] are trained by signed gradient
+  descent (the straight-through round) so that the quantized block's output matches the float block's on the float
+  model's inputs: the error the whole block makes, not each linear's alone.
 All choose each group's scale and zero from its min and max shrunk by the factor of CLIP that minimizes the rounding
 error weighted by H's diagonal (round-to-nearest's plain min/max lets one outlier coarsen the whole group's steps).
 The blocks are calibrated in turn: the inputs of block i are the outputs of the already quantized blocks before it,
-so the memory is one block's activations for the calibration tokens (and one H per linear). The calibration tokens
+so the memory is one block's activations for the calibration tokens (and one H per linear; learned rounding keeps
+the float model's too). The calibration tokens
 are a text's, and optionally text the float model writes itself from it (sampled_sequences), which on SmolLM2 helps
 more than any other change tried (README, Quality).
 """
@@ -28,11 +33,13 @@ from tqdm import tqdm
 from kvcache import KVCache
 from quantize import KERNEL_DTYPE, dequantize_int4, make_quantized_linear, parse_mode, quantization_of, quantize_int4
 
-METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+METHODS = ("rtn", "gptq", "awq", "awq+gptq", "round", "awq+round")
 DAMP = 0.01  # GPTQ's damping: this fraction of H's mean diagonal added to it (the paper's default)
 BLOCK = 128  # GPTQ's columns per lazy batch update
 CLIP = tuple(1 - i / 40 for i in range(12))  # the range shrink factors a calibrated group's scale is chosen from
 AWQ_GRID = 20  # alphas 0, 1/20, ..., 19/20 (AutoAWQ's grid)
+ROUND_STEPS = 200  # learned rounding's signed-gradient steps a block, each of learning rate 1 / ROUND_STEPS (AutoRound's)
+ROUND_BATCH = 2  # calibration sequences a step
 SEQ_LEN = 512  # calibration tokens per sequence
 # Public-domain and project-written text, disjoint from quality.py's evaluation text: Genesis 1:1-19 (King James
 # Version), the Gettysburg Address, and short stories and prose written for this project.
@@ -174,6 +181,69 @@ def scale_rows(linear: nn.Module, first: int, s: torch.Tensor) -> None:
         linear.bias.data[first:] = (linear.bias[first:].float() / s).to(linear.bias.dtype)
 
 
+# ---- learned rounding ----
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """round(x), with the gradient of x (the straight-through estimator)."""
+    return x + (torch.round(x) - x).detach()
+
+
+def learned_int4(w: torch.Tensor, offset: torch.Tensor, lo_shrink: torch.Tensor, hi_shrink: torch.Tensor,
+                 group: int) -> tuple[torch.Tensor, ...]:
+    """w (N, K), K a multiple of G, on round-to-nearest's grid with each weight's rounding offset (N, K/G, G) and each
+    group's min and max scaled by lo_shrink, hi_shrink (N, K/G, 1) -> the weights (N, K) the codes stand for, the
+    codes (N, K/G, G), scale and zero (N, K/G, 1); differentiable in the offsets and shrinks."""
+    N, K = w.shape
+    wg = w.view(N, K // group, group)
+    lo, hi = wg.amin(-1, keepdim=True) * lo_shrink, wg.amax(-1, keepdim=True) * hi_shrink
+    scale = (hi - lo).clamp(min=1e-6) / 15
+    zero = lo + 8 * scale
+    q = round_ste((wg - zero) / scale + 8 + offset).clamp(0, 15)
+    return ((q - 8) * scale + zero).view(N, K), q, scale, zero
+
+
+def learn_rounding(block: nn.Module, linears: dict[str, nn.Module], states: list, targets: list[torch.Tensor],
+                   group: int, steps: int = ROUND_STEPS, batch: int = ROUND_BATCH, seed: int = 0) -> dict:
+    """Train the rounding offsets and range shrinks of a float block's linears so that the block, its linears
+    rounded, maps `states` (a block's inputs, as quantize_calibrated keeps them) to `targets` (B, T, C) with the
+    least squared error: each step ROUND_BATCH of the full-length sequences, signed gradients, learning rate
+    1 / steps. -> {name: (codes (N, K), scales, zeros (N, K/G))}, K padded to a multiple of G, scale and zero
+    rounded to bf16 and the codes rounded again on them."""
+    weights = {name: F.pad(m.weight.detach().float(), (0, -m.in_features % group)) for name, m in linears.items()}
+    params = {name: [torch.zeros(w.shape[0], w.shape[1] // group, group, requires_grad=True),
+                     *(torch.ones(w.shape[0], w.shape[1] // group, 1, requires_grad=True) for _ in range(2))]
+              for name, w in weights.items()}
+    limits = ((-0.5, 0.5), (0.5, 1.0), (0.5, 1.0))
+    longest = max(s[0].shape[1] for s in states)
+    full = [i for i, s in enumerate(states) if s[0].shape[1] == longest]  # one shape: a batch is one forward
+    generator = torch.Generator().manual_seed(seed)
+
+    def loss(idx: list[int]) -> torch.Tensor:
+        rounded = {name + ".weight": learned_int4(weights[name], *params[name], group)[0][:, :m.in_features]
+                   .to(m.weight.dtype) for name, m in linears.items()}
+        x = torch.cat([states[i][0] for i in idx])  # (B, T, C)
+        out = torch.func.functional_call(block, rounded, (x, *states[idx[0]][1:], None))
+        return F.mse_loss(out, torch.cat([targets[i] for i in idx]))
+
+    with torch.enable_grad():
+        for _ in range(steps):
+            idx = torch.randperm(len(full), generator=generator)[:batch].tolist()
+            loss([full[i] for i in idx]).backward()
+            with torch.no_grad():
+                for p, (low, high) in ((p, lim) for ps in params.values() for p, lim in zip(ps, limits)):
+                    p.sub_(p.grad.sign() / steps).clamp_(low, high)
+                    p.grad = None
+    learned = {}
+    for name, (offset, lo_shrink, hi_shrink) in params.items():
+        _, _, scale, zero = learned_int4(weights[name], offset.detach(), lo_shrink.detach(), hi_shrink.detach(),
+                                         group)
+        scale, zero = (t.to(KERNEL_DTYPE).float() for t in (scale, zero))
+        wg = weights[name].view(*offset.shape)
+        codes = torch.round((wg - zero) / scale + 8 + offset.detach()).clamp(0, 15)
+        learned[name] = (codes.flatten(1).to(torch.uint8), scale[..., 0], zero[..., 0])
+    return learned
+
+
 # ---- the model, block by block ----
 
 def calibration_sequences(tokens: list[int], max_tokens: int | None, seq_len: int) -> list[list[int]]:
@@ -274,9 +344,10 @@ def quantize_calibrated(model: nn.Module, mode: str, method: str, sequences: lis
     block by block (each block calibrated on the outputs of the quantized blocks before it)."""
     kind, group = parse_mode(mode)
     if kind != "int4" or method not in METHODS[1:]:
-        raise ValueError(f"--method {method} with --mode {mode}: GPTQ and AWQ make int4:G (rtn: any mode)")
+        raise ValueError(f"--method {method} with --mode {mode}: GPTQ, AWQ and learned rounding make int4:G "
+                         "(rtn: any mode)")
     if act_order and "gptq" not in method:
-        raise ValueError("--act-order is GPTQ's; drop it for --method awq")
+        raise ValueError(f"--act-order is GPTQ's; drop it for --method {method}")
     if model.args.n_experts is not None:
         raise ValueError(f"--method {method}: Mixtral's experts are not supported (a router shares their input); "
                          "use --method rtn")
@@ -289,16 +360,22 @@ def quantize_calibrated(model: nn.Module, mode: str, method: str, sequences: lis
         pos = torch.arange(len(seq), device=device)
         x, cos, sin, mask = model.inputs(torch.tensor([seq], device=device), pos, None)  # x (1, T, C)
         states.append((x, pos, cos, sin, mask))
+    float_states = states if "round" in method else None  # learned rounding's targets: the float model's
     for block in tqdm(model.layers, desc=method, unit="layer", disable=not progress):
         linears = {name: m for name, m in block.named_modules() if isinstance(m, nn.Linear)}
         stats = input_stats(block, list(linears.values()), states)
         scales = awq_fold(block, stats, group) if "awq" in method else {}
+        if float_states is not None:  # the folded float block computes the float model's function
+            float_states = [(block(*state, None), *state[1:]) for state in float_states]
+            learned = learn_rounding(block, linears, states, [state[0] for state in float_states], group)
         for name, m in linears.items():
             H = stats[m][0]
             if m in scales:  # the inputs are x / s now
                 H = H / scales[m][:, None] / scales[m][None, :]
-            if method != "awq":
+            if "gptq" in method:
                 q = gptq_linear(m, H, group, act_order, dtype)
+            elif "round" in method:
+                q = fill_int4(make_quantized_linear("int4", group, m, dtype), m, *learned[name], None)
             else:
                 q = clipped_linear(m, H.diagonal(), group, dtype)
             block.set_submodule(name, q)

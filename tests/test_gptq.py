@@ -2,14 +2,15 @@
 calibration inputs; AWQ's folded scales leave the float model's function unchanged; act-order checkpoints reload
 exactly."""
 import copy
+import re
 
 import pytest
 import torch
 
-from gptq import (awq_fold, awq_scale, gptq_solve, input_stats, int4_params, quantize_calibrated, round_column,
-                  rtn_weight, sampled_sequences)
+from gptq import (awq_fold, awq_scale, gptq_solve, input_stats, int4_params, learn_rounding, learned_int4,
+                  quantize_calibrated, round_column, rtn_weight, sampled_sequences)
 from load import load_model
-from quantize import Int4Linear, dequantize_int4, unpermute_columns
+from quantize import Int4Linear, dequantize_int4, quantize_int4, unpermute_columns
 
 
 def layer(n=24, k=128, m=400, seed=0, dtype=torch.float64):
@@ -121,10 +122,53 @@ def test_awq_scale_reduces_output_error_against_rtn(group):
     assert err_awq < 0.9 * err_rtn
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
+def test_learned_rounding_starts_at_round_to_nearest():
+    """With no offset and no shrink, learned rounding's grid is round-to-nearest's (up to the bf16 rounding of the
+    scales and zeros, which training leaves out), and its gradient reaches the offsets and the shrinks."""
+    w, _ = layer(seed=3, dtype=torch.float32)
+    N, K = w.shape
+    offset = torch.zeros(N, K // 32, 32, requires_grad=True)
+    lo, hi = (torch.ones(N, K // 32, 1, requires_grad=True) for _ in range(2))
+    with torch.enable_grad():  # conftest turns it off
+        got, codes, scale, zero = learned_int4(w, offset, lo, hi, 32)
+        got.pow(2).sum().backward()
+    assert codes.shape == (N, K // 32, 32) and scale.shape == zero.shape == (N, K // 32, 1)
+    want_codes, sz = quantize_int4(w, 32, torch.float32)  # float32 scales: no bf16 rounding either
+    assert (codes.flatten(1) == want_codes).all()
+    assert torch.allclose(got, dequantize_int4(want_codes, sz), atol=1e-5)
+    bf16_codes, _ = quantize_int4(w, 32, torch.bfloat16)
+    assert (codes.flatten(1) == bf16_codes).float().mean() > 0.97  # what the stored bf16 scales change
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (offset, lo, hi))
+
+
+def test_learned_rounding_reduces_block_error(tiny):
+    """learn_rounding's codes give a smaller block output error on its calibration inputs than its starting point
+    (round-to-nearest on the same grid, 0 steps)."""
+    gen = torch.Generator().manual_seed(5)
+    block = copy.deepcopy(tiny.layers[0])
+    states = []
+    for _ in range(4):
+        tokens, pos = torch.randint(0, 160, (1, 48), generator=gen), torch.arange(48)
+        states.append((tiny.inputs(tokens, pos, None)[0], pos, *tiny.inputs(tokens, pos, None)[1:]))
+    targets = [block(*s, None) for s in states]
+    linears = {name: m for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+
+    def error(steps):
+        learned = learn_rounding(block, linears, states, targets, 32, steps=steps)
+        weights = {}
+        for name, (codes, scales, zeros) in learned.items():
+            sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1)
+            weights[name + ".weight"] = dequantize_int4(codes, sz)[:, :linears[name].in_features]
+        return sum((torch.func.functional_call(block, weights, (*s, None)) - t).pow(2).sum()
+                   for s, t in zip(states, targets))
+
+    assert error(100) < 0.8 * error(0)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq+gptq", "round", "awq+round"])
 def test_calibrated_model_closer_than_rtn(tiny, method):
-    """On a tiny random model, GPTQ int4:64 logits (after AWQ's folded scales too) are closer to the float model's
-    than round-to-nearest's, on the calibration sequences."""
+    """On a tiny random model, GPTQ's and learned rounding's int4:64 logits (after AWQ's folded scales too) are closer
+    to the float model's than round-to-nearest's, on the calibration sequences."""
     from quantize import quantize_model
 
     gen = torch.Generator().manual_seed(4)
@@ -175,12 +219,13 @@ def test_act_order_checkpoint_reloads_exactly(tiny_dir, tmp_path):
 
 
 def test_refusals(tiny):
-    with pytest.raises(ValueError, match="GPTQ and AWQ make int4:G"):
+    with pytest.raises(ValueError, match="GPTQ, AWQ and learned rounding make int4:G"):
         quantize_calibrated(copy.deepcopy(tiny), "int8", "gptq", [[1, 2, 3]])
     with pytest.raises(ValueError, match="--method gptq2"):
         quantize_calibrated(copy.deepcopy(tiny), "int4:32", "gptq2", [[1, 2, 3]])
-    with pytest.raises(ValueError, match="--act-order is GPTQ's"):
-        quantize_calibrated(copy.deepcopy(tiny), "int4:32", "awq", [[1, 2, 3]], act_order=True)
+    for method in ("awq", "awq+round"):
+        with pytest.raises(ValueError, match=re.escape(f"--act-order is GPTQ's; drop it for --method {method}")):
+            quantize_calibrated(copy.deepcopy(tiny), "int4:32", method, [[1, 2, 3]], act_order=True)
 
 
 def test_export_gptq_act_order_folder(tiny_text_dir, tmp_path):

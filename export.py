@@ -189,7 +189,8 @@ def check_method(args: argparse.Namespace) -> None:
 
 
 def calibrated_model(args: argparse.Namespace, source: str):
-    """The float model quantized with GPTQ / AWQ / learned rounding on the calibration text and the text it samples from it."""
+    """The float model quantized with GPTQ / AWQ / learned rounding on the calibration text and the text it
+    samples from it."""
     from quality import load_eval_tokens
 
     model, path = load_model(source, "cpu", getattr(torch, args.dtype), progress=sys.stderr.isatty(), quantize="none")

@@ -38,7 +38,7 @@ DAMP = 0.01  # GPTQ's damping: this fraction of H's mean diagonal added to it (t
 BLOCK = 128  # GPTQ's columns per lazy batch update
 CLIP = tuple(1 - i / 40 for i in range(12))  # the range shrink factors a calibrated group's scale is chosen from
 AWQ_GRID = 20  # alphas 0, 1/20, ..., 19/20 (AutoAWQ's grid)
-ROUND_STEPS = 200  # learned rounding's signed-gradient steps a block, each of learning rate 1 / ROUND_STEPS (AutoRound's)
+ROUND_STEPS = 200  # learned rounding's signed-gradient steps a block, of learning rate 1 / ROUND_STEPS (AutoRound's)
 ROUND_BATCH = 2  # calibration sequences a step
 SEQ_LEN = 512  # calibration tokens per sequence
 # Public-domain and project-written text, disjoint from quality.py's evaluation text: Genesis 1:1-19 (King James

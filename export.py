@@ -1,7 +1,7 @@
 """Write a quantized checkpoint folder that `generate.py --model DIR` loads:
 
     python export.py --model M --mode int4:64 --out DIR
-    python export.py --model M --mode int4:128 --method awq+round [--calibration FILE] [--sampled-tokens N] --out DIR
+    python export.py --model M --mode int4:64 --method awq+round [--calibration FILE] [--sampled-tokens N] --out DIR
     python export.py --model M --mode int4:128 --method awq+gptq --act-order --out DIR
 
 --method rtn rounds each weight to the nearest code; gptq, awq, awq+gptq, round and awq+round (gptq.py) use the

@@ -13,15 +13,15 @@ M calibration rows (tokens), C model width, F one MLP's width.
 - awq+gptq: AWQ's scales folded first, then GPTQ of the scaled weights with the scaled inputs' H.
 - round, awq+round: learned rounding (AutoRound, Cheng et al. 2023), after AWQ's fold or without: each weight's
   rounding offset in [-0.5, 0.5] and each group's min and max shrink in [0.5, 1] are trained by signed gradient
-  descent (the straight-through round) so that the quantized block's output matches the float block's on the float
-  model's inputs: the error the whole block makes, not each linear's alone.
+  descent (the straight-through round) so that the quantized block's output, on the inputs the quantized blocks
+  before it give, matches the float block's output on the float model's: the error the whole block makes, not each
+  linear's alone.
 All choose each group's scale and zero from its min and max shrunk by the factor of CLIP that minimizes the rounding
 error weighted by H's diagonal (round-to-nearest's plain min/max lets one outlier coarsen the whole group's steps).
 The blocks are calibrated in turn: the inputs of block i are the outputs of the already quantized blocks before it,
 so the memory is one block's activations for the calibration tokens (and one H per linear; learned rounding keeps
-the float model's too). The calibration tokens
-are a text's, and optionally text the float model writes itself from it (sampled_sequences), which on SmolLM2 helps
-more than any other change tried (README, Quality).
+the float model's too). The calibration tokens are a text's, and optionally text the float model writes itself from
+it (sampled_sequences), which on SmolLM2 helps more than any other change tried (README, Quality).
 """
 import os
 
@@ -340,8 +340,9 @@ def input_stats(block: nn.Module, linears: list[nn.Module], states: list) -> dic
 @torch.no_grad()
 def quantize_calibrated(model: nn.Module, mode: str, method: str, sequences: list[list[int]],
                         act_order: bool = False, progress: bool = False) -> nn.Module:
-    """Quantize a float model's block linears to int4 in place with GPTQ or AWQ from calibration token sequences,
-    block by block (each block calibrated on the outputs of the quantized blocks before it)."""
+    """Quantize a float model's block linears to int4 in place with `method` (METHODS: GPTQ, AWQ, learned rounding)
+    from calibration token sequences, block by block (each block calibrated on the outputs of the quantized blocks
+    before it)."""
     kind, group = parse_mode(mode)
     if kind != "int4" or method not in METHODS[1:]:
         raise ValueError(f"--method {method} with --mode {mode}: GPTQ, AWQ and learned rounding make int4:G "

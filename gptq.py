@@ -38,7 +38,8 @@ DAMP = 0.01  # GPTQ's damping: this fraction of H's mean diagonal added to it (t
 BLOCK = 128  # GPTQ's columns per lazy batch update
 CLIP = tuple(1 - i / 40 for i in range(12))  # the range shrink factors a calibrated group's scale is chosen from
 AWQ_GRID = 20  # alphas 0, 1/20, ..., 19/20 (AutoAWQ's grid)
-ROUND_STEPS = 200  # learned rounding's signed-gradient steps a block, of learning rate 1 / ROUND_STEPS (AutoRound's)
+ROUND_STEPS = 200  # learned rounding's signed-gradient steps a block, the learning rate 1 / ROUND_STEPS decaying
+# linearly to 0 (AutoRound's)
 ROUND_BATCH = 2  # calibration sequences a step
 SEQ_LEN = 512  # calibration tokens per sequence
 # Public-domain and project-written text, disjoint from quality.py's evaluation text: Genesis 1:1-19 (King James
@@ -207,7 +208,7 @@ def learn_rounding(block: nn.Module, linears: dict[str, nn.Module], states: list
     """Train the rounding offsets and range shrinks of a float block's linears so that the block, its linears
     rounded, maps `states` (a block's inputs, as quantize_calibrated keeps them) to `targets` (B, T, C) with the
     least squared error: each step ROUND_BATCH of the full-length sequences, signed gradients, learning rate
-    1 / steps. -> {name: (codes (N, K), scales, zeros (N, K/G))}, K padded to a multiple of G, scale and zero
+    1 / steps decaying linearly to 0 (the parameters settle instead of walking to the end). -> {name: (codes (N, K), scales, zeros (N, K/G))}, K padded to a multiple of G, scale and zero
     rounded to bf16 and the codes rounded again on them."""
     weights = {name: F.pad(m.weight.detach().float(), (0, -m.in_features % group)) for name, m in linears.items()}
     params = {name: [torch.zeros(w.shape[0], w.shape[1] // group, group, requires_grad=True),
@@ -226,12 +227,12 @@ def learn_rounding(block: nn.Module, linears: dict[str, nn.Module], states: list
         return F.mse_loss(out, torch.cat([targets[i] for i in idx]))
 
     with torch.enable_grad():
-        for _ in range(steps):
+        for step in range(steps):
             idx = torch.randperm(len(full), generator=generator)[:batch].tolist()
             loss([full[i] for i in idx]).backward()
             with torch.no_grad():
                 for p, (low, high) in ((p, lim) for ps in params.values() for p, lim in zip(ps, limits)):
-                    p.sub_(p.grad.sign() / steps).clamp_(low, high)
+                    p.sub_(p.grad.sign() * (1 - step / steps) / steps).clamp_(low, high)
                     p.grad = None
     learned = {}
     for name, (offset, lo_shrink, hi_shrink) in params.items():

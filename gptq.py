@@ -208,8 +208,9 @@ def learn_rounding(block: nn.Module, linears: dict[str, nn.Module], states: list
     """Train the rounding offsets and range shrinks of a float block's linears so that the block, its linears
     rounded, maps `states` (a block's inputs, as quantize_calibrated keeps them) to `targets` (B, T, C) with the
     least squared error: each step ROUND_BATCH of the full-length sequences, signed gradients, learning rate
-    1 / steps decaying linearly to 0 (the parameters settle instead of walking to the end). -> {name: (codes (N, K), scales, zeros (N, K/G))}, K padded to a multiple of G, scale and zero
-    rounded to bf16 and the codes rounded again on them."""
+    1 / steps decaying linearly to 0 (the parameters settle instead of walking to the end). -> {name: (codes (N, K),
+    scales, zeros (N, K/G))}, K padded to a multiple of G, scale and zero rounded to bf16 and the codes rounded again
+    on them."""
     weights = {name: F.pad(m.weight.detach().float(), (0, -m.in_features % group)) for name, m in linears.items()}
     params = {name: [torch.zeros(w.shape[0], w.shape[1] // group, group, requires_grad=True),
                      *(torch.ones(w.shape[0], w.shape[1] // group, 1, requires_grad=True) for _ in range(2))]
@@ -230,9 +231,10 @@ def learn_rounding(block: nn.Module, linears: dict[str, nn.Module], states: list
         for step in range(steps):
             idx = torch.randperm(len(full), generator=generator)[:batch].tolist()
             loss([full[i] for i in idx]).backward()
+            lr = (1 - step / steps) / steps
             with torch.no_grad():
                 for p, (low, high) in ((p, lim) for ps in params.values() for p, lim in zip(ps, limits)):
-                    p.sub_(p.grad.sign() * (1 - step / steps) / steps).clamp_(low, high)
+                    p.sub_(p.grad.sign() * lr).clamp_(low, high)
                     p.grad = None
     learned = {}
     for name, (offset, lo_shrink, hi_shrink) in params.items():

@@ -1,15 +1,23 @@
-"""One-row int4 products for CPUs where torch dispatches its AVX2 kernels (no AVX-512): Int4Linear's "words" layout.
+"""One-row int4 and int8 products for CPUs where torch dispatches its AVX2 kernels (no AVX-512): Int4Linear's
+"words" layout and Int8GroupLinear's (a GGUF Q8_0 head's) words.
 
-There, torch's int4 kernel streams weights at about half the speed it reaches with AVX-512, and Inductor's own code
-for a uint8 weight loads 8 bytes at a time through a stack buffer (a partial vector): both lose to a float32 matmul.
-This layout makes every weight load a whole 256-bit vector and every activation load 8 consecutive floats, and lets
-Inductor write the rest (shift, mask, convert, multiply-add), in float32: the file's weights exactly, in a float32
-model's precision (README, Benchmarks). Opt-in (quantize.compiled_layouts): rows run one at a time, so that each
-has a one-row step's bits, which a compiled verify graph with a symbolic token count cannot unroll.
+There, torch's int4 kernel streams weights at about half the speed it reaches with AVX-512. Inductor's own code for
+an integer tensor (uint8, int8, int32) loads each vector through a stack buffer (Vectorized<int>::loadu with a count
+copies with memcpy): a one-row product over int8 codes streams ~6x slower than over float32 (README, Benchmarks). So
+the codes are packed into 32-bit words kept in a float32 tensor, the words' bits unchanged: every weight load is a
+whole 256-bit float vector, reinterpreted as integers in registers (a free bitcast), and every activation load 8
+consecutive floats; Inductor writes the rest (mask, convert, multiply-add), in float32: the weights exactly, in a
+float32 model's precision. The bits are not float values: a model holding them must never be cast with .to(dtype)
+(the loaders build each model in its dtype).
 
-Layout: codes (N, K) in [0, 15], K a multiple of 64, as int32 words (N, K/64, 8): nibble b of word l in super-block
-j holds column 64j + 8b + l. Scales (N, K/32, 2): [scale, value of code 0] for each 32 columns.
-Shape legend: N out_features, K in_features, J = K/64 super-blocks, b the nibble, l the lane.
+Int4 (Int4Linear, opt-in: quantize.compiled_layouts): rows run one at a time, so that each has a one-row step's
+bits, which a compiled verify graph with a symbolic token count cannot unroll. Codes (N, K) in [0, 15], K a multiple
+of 64, as words (N, K/64, 8): nibble b of word l in super-block j holds column 64j + 8b + l. Scales (N, K/32, 2):
+[scale, value of code 0] for each 32 columns.
+Int8 (Int8GroupLinear's compiled form, quantize.compiled_head): codes (N, K) in [-128, 127], K a multiple of 32, as
+words (N, K/32, 8): byte b of word l in block j holds column 32j + 8b + l, offset to [0, 255]. Scales (N, K/32).
+Shape legend: N out_features, K in_features, J = K/64 super-blocks (int4) or K/32 blocks (int8), b the nibble or
+byte, l the lane.
 """
 import functools
 import types
@@ -22,22 +30,40 @@ SUPER = 64  # columns a super-block of 8 words holds; K must be a multiple
 # which is exact (powers of two, and code * 16^b has 4 significant bits). The top nibble is shifted down instead, as
 # its masked value would be negative.
 NIBBLE_SCALE = tuple(16.0 ** -b for b in range(7)) + (1.0,)
+BYTE_SCALE = tuple(256.0 ** -b for b in range(3)) + (1.0,)  # the same for the bytes of gemv_bytes' words
 
 
 def pack_words(codes: torch.Tensor) -> torch.Tensor:
-    """(N, K) codes in [0, 15] -> (N, K/64, 8) int32 words."""
+    """(N, K) codes in [0, 15] -> (N, K/64, 8) int32 words, as float32 bits."""
     N, K = codes.shape
     c = codes.to(torch.int32).view(N, K // SUPER, 8, 8)  # (N, J, b, l)
     words = c[:, :, 0]
     for b in range(1, 8):
         words = words | (c[:, :, b] << (4 * b))
-    return words.contiguous()  # (N, J, l)
+    return words.contiguous().view(torch.float32)  # (N, J, l)
 
 
 def unpack_words(words: torch.Tensor) -> torch.Tensor:
-    """Inverse of pack_words: (N, K/64, 8) int32 -> (N, K) uint8 codes."""
+    """Inverse of pack_words: (N, K/64, 8) float32 bits -> (N, K) uint8 codes."""
     N, J, _ = words.shape
+    words = words.view(torch.int32)
     return torch.stack([(words >> (4 * b)) & 15 for b in range(8)], dim=2).view(N, J * SUPER).to(torch.uint8)
+
+
+def pack_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 codes -> (N, K/32, 8) int32 words of 4 offset bytes (code + 128), as float32 bits."""
+    N, K = codes.shape
+    u = (codes.to(torch.int32) + 128).view(N, K // 32, 4, 8)  # (N, J, b, l)
+    words = u[:, :, 0] | (u[:, :, 1] << 8) | (u[:, :, 2] << 16) | (u[:, :, 3] << 24)
+    return words.contiguous().view(torch.float32)  # (N, J, l)
+
+
+def unpack_bytes(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_bytes: (N, K/32, 8) float32 bits -> (N, K) int8 codes."""
+    N, J, _ = words.shape
+    words = words.view(torch.int32)
+    u = torch.stack([(words >> (8 * b)) & 255 for b in range(4)], dim=2)  # (N, J, b, l)
+    return (u - 128).view(N, J * 32).to(torch.int8)
 
 
 def half_group_scales(scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -48,7 +74,9 @@ def half_group_scales(scales_and_zeros: torch.Tensor, group_size: int) -> torch.
 
 
 def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (K,) -> (N,) float32: sum over k of x[k] * (scale * code + code-0 value), group by group."""
+    """x (K,), words (N, K/64, 8) float32 bits -> (N,) float32: sum over k of x[k] * (scale * code + code-0 value),
+    group by group."""
+    words = words.view(torch.int32)
     N, J, _ = words.shape
     xb = x.float().view(J, 8, 8) * torch.tensor(NIBBLE_SCALE, device=x.device)[:, None]  # (J, b, l)
     s = scales.view(N, J, 2, 2)  # (N, J, half, [scale, code-0 value])
@@ -61,6 +89,22 @@ def gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> torch.Te
         acc = acc + part * s[:, :, h, 0, None]  # (N, J, l)
     group_sums = x.float().view(J, 2, 32).sum(-1)  # (J, half)
     return acc.sum((1, 2)) + (s[..., 1] * group_sums).sum((1, 2))
+
+
+def gemv_bytes(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (K,), words (N, K/32, 8) float32 bits (pack_bytes), scales (N, K/32) float32 -> (N,) float32: sum over k of
+    x[k] * code * scale, block by block. Bytes 0-2 are read in place, as (code + 128) * 256^b (a mask, no shift,
+    exact in float32), against activations scaled by 256^-b (exact: powers of two); the top byte is shifted down, as
+    its masked value would be negative. The offset comes off once a block: 128 * scale * (the block's sum of x)."""
+    words = words.view(torch.int32)
+    N, J, _ = words.shape
+    xb = x.float().view(J, 4, 8) * torch.tensor(BYTE_SCALE, device=x.device)[:, None]  # (J, b, l)
+    part = 0
+    for b in range(4):
+        u = words & (255 << (8 * b)) if b < 3 else (words >> 24) & 255  # (N, J, l)
+        part = part + u.float() * xb[:, b]
+    block_sums = x.float().view(J, 32).sum(-1)  # (J,)
+    return (part.sum(-1) * scales).sum(-1) - 128 * (scales * block_sums).sum(-1)
 
 
 @functools.cache

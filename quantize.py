@@ -295,24 +295,36 @@ class Int8GroupLinear(nn.Module):
     exact but for d's rounding to bf16 (16d and 8d are then exact too). The halves are one Int4Linear of 2K inputs,
     [hi | lo], multiplied by [x | x]: 1.25 bytes a weight (the codes, and a bf16 scale and zero per 32 of each half)
     against 2 for the dequantized bf16 matrix. Used for a GGUF's Q8_0 head (load.py), the largest matrix of a small
-    model (README, Benchmarks)."""
+    model (README, Benchmarks).
+    Where torch dispatches its AVX2 kernels, the load also keeps the codes as gemv.py's bytes words, the same weight
+    (scales bf16-rounded as the halves'), which compiled steps run (compiled_head): Inductor's one-row kernel over
+    them is 2.3x faster there than the int4 kernel over the halves, and takes float32 activations. Each row runs
+    alone, so a row's bits are a one-row step's whatever rows come with it."""
 
     def __init__(self, in_features: int, out_features: int, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.halves = Int4Linear(2 * in_features, out_features, 32, device)
+        self.register_buffer("words", None, persistent=False)  # (N, K/32, 8) float32 bits (gemv.pack_bytes), or None
+        self.register_buffer("word_scales", None, persistent=False)  # (N, K/32) float32
+        self.compiled = False  # run the words (compiled_head): only where a load made them
 
     def load_codes(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """codes (N, K) int8, scales (N, K/32) float: w = codes * scale for each group of 32. Converted ROW_BLOCK
         rows at a time, straight to the plain int4 buffers: a large head's temporaries stay small."""
-        weight, scales_and_zeros = [], []
+        weight, scales_and_zeros, words = [], [], []
         for c, s in zip(codes.split(ROW_BLOCK), scales.float().split(ROW_BLOCK)):
             u = c.view(torch.uint8)  # the same bits: q mod 256
             # hi = floor(q / 16) is the high nibble h read as signed, so hi + 8 = h ^ 8; lo is the low nibble
             weight.append(pack_int4(torch.cat([(u >> 4) ^ 8, u & 15], dim=1)))  # (n, 2K) codes -> (n, K) bytes
             scale, zero = torch.cat([16 * s, s], dim=1), torch.cat([torch.zeros_like(s), 8 * s], dim=1)  # (n, 2K/32)
             scales_and_zeros.append(torch.stack([scale, zero], dim=-1).transpose(0, 1).to(KERNEL_DTYPE))
+            if avx2(codes.device):
+                words.append(gemv.pack_bytes(c))  # (n, K/32, 8)
         weight, scales_and_zeros = torch.cat(weight), torch.cat(scales_and_zeros, dim=1)
+        if words:
+            self.words = torch.cat(words)
+            self.word_scales = scales.to(KERNEL_DTYPE).float()  # the halves' scales: one weight, either form
         pad = self.halves.out_padded - codes.shape[0]
         if pad:  # rows of code 8 with scale and zero 0: weight 0 (F.pad copies even when it adds nothing)
             weight = F.pad(weight, (0, 0, 0, pad), value=0x88)
@@ -325,10 +337,15 @@ class Int8GroupLinear(nn.Module):
         return w[:, :self.in_features] + w[:, self.in_features:]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.halves(torch.cat([x, x], dim=-1))  # (..., N)
+        if not self.compiled:
+            return self.halves(torch.cat([x, x], dim=-1))  # (..., N)
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        y = torch.stack([gemv.run(gemv.gemv_bytes, row, self.words, self.word_scales) for row in rows])  # (M, N)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size=32"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size=32, "
+                f"words={self.words is not None}")
 
 
 def unpermute_columns(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
@@ -384,6 +401,22 @@ def compiled_layouts(model: nn.Module, compiled: bool = True) -> None:
             module.repack("words")
         elif not compiled and module.kernel == "words":
             module.repack("cpu")
+
+
+def avx2(device: torch.device) -> bool:
+    """A CPU where torch dispatches its AVX2 kernels (read from torch, not CPUID: ATEN_CPU_CAPABILITY=avx2 runs an
+    AVX-512 machine as an AVX2 one)."""
+    return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+def compiled_head(model: nn.Module, compiled: bool) -> None:
+    """What a step runs a GGUF's Q8_0 head (Int8GroupLinear) as: compiled, its words where the load made them
+    (AVX2), one Inductor kernel of their own; else the int4 halves. Step.set_up calls it, compiled for `blocks`
+    (the head runs between the compiled layers). Not for an eager step (also after a compile failed): a kernel
+    compiled once per shape does not repay a short answer. Not for `full`: in its whole-step graph Inductor fuses
+    the final norm into the words' loop, 1.7x slower than the halves (README, Benchmarks)."""
+    if isinstance(model.lm_head, Int8GroupLinear):
+        model.lm_head.compiled = compiled and model.lm_head.words is not None
 
 
 def head_is_quantized(model: nn.Module) -> bool:

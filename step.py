@@ -19,7 +19,7 @@ import torch
 from invariant import BatchInvariant
 from kvcache import KVCache
 from model import DECODE_QUERIES, Block, Transformer
-from quantize import Int8Linear
+from quantize import Int8Linear, compiled_head
 
 COMPILE_MODES = ("auto", "none", "blocks", "full")
 # The decode steps after which compiling the blocks saves more than it costs on CPU: 2-6 s to compile with a warm
@@ -161,6 +161,7 @@ class Step:
     def set_up(self, compile_prefill: bool = False) -> None:
         """The compiled callables self.mode runs (compiled on their first call)."""
         cpu = self.model.embed_tokens.weight.device.type == "cpu"
+        compiled_head(self.model, self.mode == "blocks")  # a Q8_0 head's words where the load made them (AVX2)
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
         # first compile (README, Benchmarks).
         options = {"cpp_wrapper": True, **vector_width(self.model)} if cpu and self.mode != "none" else {}  # 3 s
@@ -214,9 +215,12 @@ class Step:
                     return self.many(model, tokens, input_pos, cache, all_logits)
                 with gemv_backend(tokens):  # read at run time by the matmuls the compiled code calls
                     return self.one(model, tokens, input_pos, cache, all_logits)
+            if self.mode != "none":  # a prefill: eager, but a compiled head compiles its kernel on the first
+                return eager(model, tokens, input_pos, cache, all_logits)
         except torch._dynamo.exc.TorchDynamoException as e:
             if not self.fallback:
                 raise ValueError(f"{compile_failure(e)}; run with --compile none") from None
             print(f"warning: {compile_failure(e)}; decoding without it", file=sys.stderr)
             self.mode, self.failed = "none", True
+            compiled_head(model, False)
         return eager(model, tokens, input_pos, cache, all_logits)

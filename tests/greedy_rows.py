@@ -1,9 +1,10 @@
-"""SmolLM2's greedy tokens on the default path (the dtype `auto` picks, the file's int4 codes, the default step),
-decoded one row at a time, speculatively (prompt lookup and the int4 self-draft, k = 2 and 4) and as one batch:
-one JSON object on stdout, for tests/test_greedy.py to compare. A script, not a test, because the CPU class
-(ATEN_CPU_CAPABILITY) is fixed when torch loads: the test runs it in a process of each class.
+"""SmolLM2's greedy tokens on the default path (the dtype `auto` picks, the file's int4 codes, the step of
+COMPILE: `auto`, or `blocks` as a long answer runs), decoded one row at a time, speculatively (prompt lookup and the
+int4 self-draft, k = 2 and 4) and as one batch: one JSON object on stdout, for tests/test_greedy.py to compare. A
+script, not a test, because the CPU class (ATEN_CPU_CAPABILITY) is fixed when torch loads: the test runs it in a
+process of each class.
 
-    python tests/greedy_rows.py N_TOKENS PROMPT [PROMPT ...]
+    python tests/greedy_rows.py N_TOKENS COMPILE PROMPT [PROMPT ...]
 """
 import json
 import os
@@ -21,13 +22,13 @@ from step import Step  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 
-def main(n_tokens: int, texts: list[str]) -> dict:
+def main(n_tokens: int, compile_mode: str, texts: list[str]) -> dict:
     device = torch.device("cpu")
     dtype, _ = pick_dtype("auto", device)
     model, path = load_model(default_model(), device, dtype)
     draft_model, _ = load_model(path, device, dtype, quantize="int4:32")
     tokenizer = load_tokenizer(path)
-    step, draft_step = Step(model, "auto"), Step(draft_model, "auto")
+    step, draft_step = Step(model, compile_mode), Step(draft_model, compile_mode)
     greedy, eos = SamplingParams(temperature=0), tokenizer.eos_ids
     prompts = [tokenizer.encode(t) for t in texts]
     runs = []
@@ -52,4 +53,4 @@ def main(n_tokens: int, texts: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]), sys.argv[2:])))
+    print(json.dumps(main(int(sys.argv[1]), sys.argv[2], sys.argv[3:])))

@@ -1,6 +1,7 @@
-"""The AVX2 "words" layout of Int4Linear (gemv.py): exact packing, the one-row product against the plain reference,
-and a whole model decoding in it as in the plain layout. It runs on any CPU (compiled_layouts chooses it where torch
-dispatches AVX2; here it is forced), so CI on AVX-512 checks it too."""
+"""The AVX2 "words" layouts (gemv.py) of Int4Linear and of Int8GroupLinear (a Q8_0 head): exact packing, the one-row
+products against the plain reference, and a whole model decoding in them as in the plain layout. They run on any CPU
+(compiled_layouts and the loader choose them where torch dispatches AVX2; here they are forced), so CI on AVX-512
+checks them too."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,10 +15,20 @@ from tiny_models import hf_to_ours, make_hf
 def test_pack_unpack_words_round_trip():
     codes = torch.randint(0, 16, (5, 192), dtype=torch.uint8)
     words = gemv.pack_words(codes)
-    assert words.shape == (5, 3, 8) and words.dtype == torch.int32
+    assert words.shape == (5, 3, 8) and words.dtype == torch.float32  # the words' bits, as float32 (gemv.py)
     assert torch.equal(gemv.unpack_words(words), codes)
     # nibble b of word l in super-block j is column 64j + 8b + l
-    assert (words[2, 1, 3] >> 20) & 15 == codes[2, 64 + 8 * 5 + 3]
+    assert (words.view(torch.int32)[2, 1, 3] >> 20) & 15 == codes[2, 64 + 8 * 5 + 3]
+
+
+def test_pack_unpack_bytes_round_trip():
+    codes = torch.randint(-128, 128, (5, 96), dtype=torch.int8)
+    codes[0, :64] = torch.arange(-128, 128, 4)  # both extremes, in every byte position
+    words = gemv.pack_bytes(codes)
+    assert words.shape == (5, 3, 8) and words.dtype == torch.float32
+    assert torch.equal(gemv.unpack_bytes(words), codes)
+    # byte b of word l in block j is column 32j + 8b + l, offset by 128
+    assert (words.view(torch.int32)[2, 1, 3] >> 16) & 255 == codes[2, 32 + 8 * 2 + 3].item() + 128
 
 
 @pytest.mark.parametrize("group", q.GROUP_SIZES)
@@ -33,6 +44,19 @@ def test_gemv_multiplies_by_the_plain_weight(group):
     words, scales = gemv.pack_words(codes), gemv.half_group_scales(scales_and_zeros, group)
     x = torch.randn(k)
     torch.testing.assert_close(gemv.gemv(x, words, scales), w @ x, rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_bytes_multiplies_by_the_codes_times_scales():
+    """gemv_bytes multiplies by codes * scale, block by block (every code, both extremes, in every byte position):
+    that matrix times x within float32 summation order."""
+    torch.manual_seed(0)
+    n, k = 48, 576
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    codes[0, :256] = torch.arange(-128, 128)
+    scales = torch.rand(n, k // 32) * 0.02 + 1e-4
+    w = codes.float() * scales.repeat_interleave(32, dim=1)  # (N, K)
+    x = torch.randn(k)
+    torch.testing.assert_close(gemv.gemv_bytes(x, gemv.pack_bytes(codes), scales), w @ x, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -110,3 +134,47 @@ def test_act_order_module_in_words_layout_matches_reference(rows):
     module.repack("words")
     x = torch.randn(rows, k)
     torch.testing.assert_close(module(x), F.linear(x, module.dequantize()), rtol=1e-5, atol=1e-5)
+
+
+def q8_0_module(n: int, k: int, monkeypatch, capability: str = "AVX2") -> tuple[q.Int8GroupLinear, torch.Tensor,
+                                                                                torch.Tensor]:
+    """An Int8GroupLinear loaded with random Q8_0 codes and scales as the loader fills it, on a CPU of `capability`."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    torch.manual_seed(0)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    scales = torch.rand(n, k // 32) * 0.02 + 1e-4  # float16-sized, as a Q8_0 file stores them
+    module = q.Int8GroupLinear(k, n)
+    module.load_codes(codes, scales)
+    return module, codes, scales
+
+
+def test_a_q8_0_matrix_keeps_words_where_torch_dispatches_avx2(monkeypatch):
+    """On AVX2 a Q8_0 matrix also keeps its codes as words, with the halves' bf16 scales: the same weight
+    (dequantize()), not in a checkpoint's state dict; on AVX-512 no words, and a compiled step keeps the halves."""
+    module, codes, scales = q8_0_module(40, 96, monkeypatch)
+    assert torch.equal(gemv.unpack_bytes(module.words), codes)
+    assert torch.equal(module.word_scales, scales.to(torch.bfloat16).float())
+    assert torch.equal(codes.float() * module.word_scales.repeat_interleave(32, dim=1), module.dequantize())
+    assert not {"words", "word_scales"} & module.state_dict().keys()
+    other, _, _ = q8_0_module(40, 96, monkeypatch, "AVX512")
+    assert other.words is None
+    model = q.quantize_model(hf_to_ours(make_hf("llama-gqa")), "int4:32")
+    model.lm_head = other
+    q.compiled_head(model, True)
+    assert not other.compiled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_q8_0_head_matches_reference(dtype, monkeypatch):
+    """Compiled (its words, one Inductor kernel a row): the output equals F.linear with dequantize() in float32
+    (the halves' int4 kernel rounds activations to bf16: within 1e-2), for 1 and 7 rows, and each row's bits are the
+    same whatever rows come with it."""
+    module, _, _ = q8_0_module(40, 96, monkeypatch)
+    module.compiled = True
+    for rows in (1, 7):
+        x = torch.randn(rows, 96).to(dtype)
+        y = module(x)
+        assert y.shape == (rows, 40) and y.dtype == dtype
+        torch.testing.assert_close(y, F.linear(x.float(), module.dequantize()).to(dtype))
+        assert torch.equal(y[-1:], module(x[-1:]))

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+import gemv
 from helpers import run_py
 from kvcache import KVCache
 from step import COMPILE_PAYS_AFTER, Step, auto_mode, eager, gemv_backend
@@ -80,17 +81,52 @@ def test_blocks_match_eager(tiny):
 
 
 @pytest.mark.slow
-def test_a_verify_runs_the_compiled_block_row_for_row(tiny):
+def with_q8_0_head(model, monkeypatch):
+    """model with its float head as a GGUF Q8_0 head (Int8GroupLinear), loaded as on an AVX2 CPU: with words."""
+    from quantize import Int8GroupLinear
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    w = model.lm_head.weight.view(model.args.vocab_size, -1, 32)  # (N, K/32, 32)
+    scales = (w.abs().amax(-1) / 127).clamp(min=1e-8)  # (N, K/32)
+    head = Int8GroupLinear(model.args.dim, model.args.vocab_size)
+    head.load_codes((w / scales[..., None]).round().to(torch.int8).flatten(1), scales)
+    model.lm_head = head
+    return model
+
+
+def test_a_compiled_step_runs_the_q8_0_heads_words(tiny, monkeypatch, capsys):
+    """blocks runs a Q8_0 head's words (quantize.compiled_head); eager and full run its halves, and so does a step
+    whose compile failed, whatever forward (prefill or decode) compiled first."""
+    model = with_q8_0_head(copy.deepcopy(tiny), monkeypatch)
+    assert Step(model, "blocks") and model.lm_head.compiled
+    assert Step(model) and not model.lm_head.compiled
+    assert Step(model, "full") and not model.lm_head.compiled
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(gemv, "compiled", lambda fn, shapes: broken_compile(fn))
+    step = Step(model, "auto")
+    assert model.lm_head.compiled
+    fell_back = greedy_steps(step, [7, 8, 9], 2)  # the prefill compiles the head's kernel first
+    assert step.mode == "none" and step.failed and not model.lm_head.compiled
+    assert capsys.readouterr().err.count("\n") == 1
+    assert torch.equal(fell_back, greedy_steps(Step(model), [7, 8, 9], 2))
+
+
+@pytest.mark.parametrize("head", ["int4", "q8_0"])
+def test_a_verify_runs_the_compiled_block_row_for_row(tiny, head, monkeypatch):
     """Under blocks, a verify (every position's logits, a few tokens) runs the compiled block too: its rows equal
     the compiled one-token steps' bitwise, for every verify length (the length is symbolic after the second). With
-    int4 weights, as the default path runs: a float matmul rounds one row and several differently (README)."""
+    int4 weights, as the default path runs: a float matmul rounds one row and several differently (README). The head
+    as int4 codes, or as a Q8_0 head's words on AVX2 (one kernel a row)."""
     import torch._dynamo
 
     from quantize import quantize_model
 
     torch._dynamo.reset()
-    int4 = quantize_model(copy.deepcopy(tiny), "int4:32", quantize_head=True)  # as the Q8_0 head runs
+    int4 = quantize_model(copy.deepcopy(tiny), "int4:32", quantize_head=head == "int4")
+    if head == "q8_0":
+        int4 = with_q8_0_head(int4, monkeypatch)
     step = Step(int4, "blocks")
+    assert getattr(int4.lm_head, "compiled", False) == (head == "q8_0")
     prompt, follow = [7, 8, 9], [10, 11, 12, 13, 14]
     for T in (1, 5, 3, 2, 4):
         caches = [KVCache.for_model(int4.args, 1, 16, torch.float32, "cpu") for _ in range(2)]

@@ -33,7 +33,8 @@ def assert_same_model(a: nn.Module, b: nn.Module) -> None:
     sa, sb = state(a), state(b)
     assert sa.keys() == sb.keys()
     for name in sa:
-        assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), name
+        bits = [t.contiguous().flatten().view(torch.uint8) for t in (sa[name], sb[name])]  # the words' too (gemv.py)
+        assert sa[name].dtype == sb[name].dtype and torch.equal(*bits), name
     assert layouts(a) == layouts(b)
     tokens = torch.randint(0, 160, (1, 12), generator=torch.Generator().manual_seed(0))
     assert torch.equal(a(tokens, torch.arange(12), all_logits=True), b(tokens, torch.arange(12), all_logits=True))
@@ -60,6 +61,17 @@ def test_a_hit_equals_the_conversion(q4_file, tmp_path, monkeypatch, dtype):
     assert converted.layers[0].mlp.down_proj.kernel == "cpu"
     no_conversion(monkeypatch)
     restored, _ = load.load_model(q4_file, "cpu", dtype, cache_dir=str(tmp_path))
+    assert_same_model(restored, converted)
+
+
+def test_a_hit_restores_a_q8_0_heads_words_on_avx2(q4_file, tmp_path, monkeypatch):
+    """Where torch dispatches AVX2 the Q8_0 head also has its words (gemv.py), which the entry holds too."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    converted, _ = load.load_model(q4_file, "cpu", torch.float32, cache_dir=str(tmp_path))
+    assert converted.lm_head.words is not None
+    no_conversion(monkeypatch)
+    restored, _ = load.load_model(q4_file, "cpu", torch.float32, cache_dir=str(tmp_path))
+    assert restored.lm_head.words is not None
     assert_same_model(restored, converted)
 
 

@@ -4,7 +4,7 @@ two 4-bit codes per byte), swapped in for nn.Linear.
 Shape legend: N out_features, K in_features, G group size, M rows of activations (batch x tokens).
 Decode reads every weight once per token, so fewer bytes per weight is faster decode; what that costs in
 quality is measured (quality.py), not assumed. Each module has a native kernel path where torch has one
-(kernels.py: which kernel, and the int4 layouts they read) and a plain dequantize-then-matmul path (`dequantize()`)
+(qkernels.py: which kernel, and the int4 layouts they read) and a plain dequantize-then-matmul path (`dequantize()`)
 that the tests hold the kernels to.
 Writing a quantized checkpoint is export.py's; reading one is load.py's.
 """
@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gemv
-from kernels import (KERNEL_DTYPE, ROW_BLOCK, int4_kernel, int4_mm, int8_kernel, layout_codes, pack_int4, to_layout,
+from qkernels import (KERNEL_DTYPE, ROW_BLOCK, int4_kernel, int4_mm, int8_kernel, layout_codes, pack_int4, to_layout,
                      unpack_int4)
 from model import Parts
 
@@ -148,7 +148,7 @@ class Int4Linear(Parts, nn.Module):
     """y = x @ W^T with W stored as 4-bit codes, two per byte, and a (scale, zero) pair per group of G inputs.
     K is padded to a multiple of G and N to a multiple of 16 (zero rows/columns) so every kernel takes them.
 
-    `weight` holds the (N, K/2) bytes in the layout of the kernel the device uses (kernels.py); the state
+    `weight` holds the (N, K/2) bytes in the layout of the kernel the device uses (qkernels.py); the state
     dict always has the plain pack_int4 layout, so checkpoints do not depend on the machine that wrote them.
     A part (model.Parts) is stored as an Int4Linear of its own shape stores it: padded to 16 rows.
     act_order: column i of the codes is input in_perm[i] (GPTQ's act-order groups made contiguous at load); the

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from quantize import Int4Linear
 
 # The modules whose code decides a loaded model's tensors: their source is part of every key.
-SOURCES = ("checkpoint", "config", "gemv", "gguffile", "kernels", "load", "model", "quantize", "weightcache")
+SOURCES = ("checkpoint", "config", "gemv", "gguffile", "load", "model", "qkernels", "quantize", "weightcache")
 KEEP = 2  # entries kept per source file (other dtypes or quantization requests), newest first
 SUFFIX = ".safetensors"
 

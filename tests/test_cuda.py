@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+import qkernels
 import quantize as q
 from step import Step
 from kvcache import KVCache
@@ -51,7 +51,7 @@ def test_cuda_int4_layout_round_trips_to_plain_codes(n, k):
     """tinygemm's packed layout reads back to the plain codes, and the state dict has the plain layout."""
     linear, module = quantized_linear("int4:32", n, k, torch.bfloat16)
     plain = module.quantize_weight(linear.weight)["weight"]
-    assert torch.equal(kernels.pack_int4(module.codes()), plain)
+    assert torch.equal(qkernels.pack_int4(module.codes()), plain)
     assert torch.equal(module.state_dict()["weight"], plain)
 
 

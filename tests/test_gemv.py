@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import gemv
+import qkernels
 import quantize as q
 from test_quantize import quantized_linear
 from tiny_models import hf_to_ours, make_hf
@@ -19,6 +20,15 @@ def test_pack_unpack_words_round_trip():
     assert torch.equal(gemv.unpack_words(words), codes)
     # nibble b of word l in super-block j is column 64j + 8b + l
     assert (words.view(torch.int32)[2, 1, 3] >> 20) & 15 == codes[2, 64 + 8 * 5 + 3]
+
+
+@pytest.mark.parametrize("n, k", [(64, 64), (128, 576), (192, 1536), (48, 128)])
+def test_codes_read_back_from_torchs_cpu_layout(n, k):
+    """layout_codes reads torch's CPU int4 layout back: through int4pack_order (read off the packer) where the rows
+    are a multiple of 64, through the kernel's own product elsewhere; the codes packed, either way."""
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    weight, _ = qkernels.to_layout(qkernels.pack_int4(codes), "cpu", None, 32)
+    assert torch.equal(qkernels.layout_codes(weight, "cpu", (n, k), 32), codes)
 
 
 def test_pack_unpack_bytes_round_trip():

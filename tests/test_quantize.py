@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+import qkernels
 import quantize as q
 from tiny_models import hf_to_ours, make_hf
 
@@ -27,10 +27,10 @@ def quantized_linear(mode: str, n: int, k: int, dtype=torch.float32, seed: int =
 
 def test_pack_unpack_round_trip_exact():
     codes = torch.randint(0, 16, (37, 64), dtype=torch.uint8)
-    packed = kernels.pack_int4(codes)
+    packed = qkernels.pack_int4(codes)
     assert packed.shape == (37, 32) and packed.dtype == torch.uint8
-    assert torch.equal(kernels.unpack_int4(packed), codes)
-    assert torch.equal(kernels.pack_int4(kernels.unpack_int4(packed)), packed)
+    assert torch.equal(qkernels.unpack_int4(packed), codes)
+    assert torch.equal(qkernels.pack_int4(qkernels.unpack_int4(packed)), packed)
 
 
 @pytest.mark.parametrize("n, k", SHAPES)
@@ -38,8 +38,8 @@ def test_kernel_layout_round_trips_to_plain_codes(n, k):
     """The kernel's own packed layout reads back to exactly the codes quantize_weight produced."""
     linear, module = quantized_linear("int4:32", n, k)
     plain = module.quantize_weight(linear.weight)["weight"]
-    assert module.kernel == kernels.int4_kernel(torch.device("cpu"))
-    assert torch.equal(kernels.pack_int4(module.codes()), plain)
+    assert module.kernel == qkernels.int4_kernel(torch.device("cpu"))
+    assert torch.equal(qkernels.pack_int4(module.codes()), plain)
     assert torch.equal(module.state_dict()["weight"], plain)  # checkpoints get the plain layout
 
 

@@ -6,6 +6,8 @@ An Int4Linear keeps its codes in one of four layouts, named by its `kernel`: Non
 int4_mm multiplies through a layout's kernel.
 Shape legend: N out_features (padded to 16), K in_features (padded to G), G group size, M rows of activations.
 """
+import functools
+
 import torch
 
 import gemv
@@ -15,6 +17,7 @@ import gemv
 # row count, prefill included); int4 scales and zeros are bf16 always, as in gpt-fast.
 KERNEL_DTYPE = torch.bfloat16
 ROW_BLOCK = 4096  # rows converted at a time: a large embedding's float32/int32 temporaries would set the peak memory
+PROBE_ROWS = 64  # rows of the probes that read torch's CPU int4 layout back (int4pack_order)
 # the int4 kernel of each layout Int4Linear.kernel names (None where this torch lacks it)
 INT4_MM = {"cpu": getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None),
            "cuda": getattr(torch.ops.aten, "_weight_int4pack_mm", None)}
@@ -64,15 +67,35 @@ def to_layout(plain: torch.Tensor, kernel: str, scales_and_zeros: torch.Tensor,
     return torch.ops.aten._convert_weight_to_int4pack(high_first, cuda_inner_k_tiles(codes.shape[1])), None
 
 
+@functools.cache
+def int4pack_order(k: int) -> torch.Tensor:
+    """Where torch's CPU packer puts the codes of a block of PROBE_ROWS rows of k codes: for each nibble of the packed
+    block (low nibble first), the index row * k + column of the code it holds. Read off the packer itself: probes
+    whose codes spell their own index, 4 bits each, packed, then read back nibble by nibble. That the packer moves
+    codes without reading them and packs each block of PROBE_ROWS rows alike (it works on blocks of 16-64 rows) is
+    what tests/test_gemv.py checks: the codes packed come back."""
+    index = torch.arange(PROBE_ROWS * k, dtype=torch.int32).view(PROBE_ROWS, k)
+    order = torch.zeros(PROBE_ROWS * k, dtype=torch.int64)
+    for shift in range(0, (PROBE_ROWS * k - 1).bit_length(), 4):
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((index >> shift) & 15, 1)  # (64, k/2) bytes
+        order |= torch.stack([packed & 15, packed >> 4], dim=-1).flatten().long() << shift
+    return order
+
+
 def layout_codes(weight: torch.Tensor, kernel: str | None, shape: tuple[int, int], group_size: int) -> torch.Tensor:
     """The (N, K) codes (shape: padded) read back from `weight` in `kernel`'s layout."""
     if kernel is None:
         return unpack_int4(weight)
     if kernel == "words":
         return gemv.unpack_words(weight)
-    # The kernel reads its own layout: with scale 1 and zero 8 it computes identity @ (codes - 8 + 8)^T,
-    # exactly (small integers, one non-zero product per sum, all exact in bf16).
     N, K = shape
+    if kernel == "cpu" and N % PROBE_ROWS == 0:
+        nibbles = torch.stack([weight & 15, weight >> 4], dim=-1).view(N // PROBE_ROWS, PROBE_ROWS * K)
+        codes = torch.empty_like(nibbles)
+        codes[:, int4pack_order(K)] = nibbles  # (N/64, 64 K): each block's codes, row-major
+        return codes.view(N, K)
+    # The kernel reads its own layout: with scale 1 and zero 8 it computes identity @ (codes - 8 + 8)^T,
+    # exactly (small integers, one non-zero product per sum, all exact in bf16). K rows: seconds for a large matrix.
     eye = torch.eye(K, dtype=KERNEL_DTYPE, device=weight.device)  # (K, K)
     unit = torch.tensor([1.0, 8.0], dtype=KERNEL_DTYPE, device=weight.device)
     unit = unit.expand(K // group_size, N, 2).contiguous()  # (K/G, N, 2)

@@ -169,6 +169,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sampled-tokens", type=int, default=0, metavar="N",
                    help="gptq/awq: also calibrate on about N tokens the model writes itself from the text (default 0)")
     p.add_argument("--act-order", action="store_true", help="gptq: round the inputs of largest activation first")
+    p.add_argument("--tune", type=int, default=0, metavar="PASSES",
+                   help="then tune the groups' scales and zeros end to end on the calibration text, codes fixed, "
+                   "this many passes (default 0; keeps a float copy of the model)")
     return p.parse_args(argv)
 
 
@@ -176,9 +179,9 @@ def check_method(args: argparse.Namespace) -> None:
     """A ValueError for flags that do not go together, before anything is loaded."""
     kind, _ = parse_mode(args.mode)
     if args.method == "rtn" and (args.act_order or args.calibration != CALIBRATION_FILE or args.calibration_tokens
-                                 or args.sampled_tokens):
-        raise ValueError("--act-order, --calibration, --calibration-tokens and --sampled-tokens need a calibrated "
-                         f"--method ({', '.join(METHODS[1:])})")
+                                 or args.sampled_tokens or args.tune):
+        raise ValueError("--act-order, --calibration, --calibration-tokens, --sampled-tokens and --tune need a "
+                         f"calibrated --method ({', '.join(METHODS[1:])})")
     if args.method != "rtn" and (kind != "int4" or args.quantize_head):
         raise ValueError(f"--method {args.method} makes the block linears int4:G; got --mode {args.mode}"
                          f"{' with --quantize-head (the head takes --method rtn)' if args.quantize_head else ''}")
@@ -186,6 +189,8 @@ def check_method(args: argparse.Namespace) -> None:
         raise ValueError(f"--calibration-tokens {args.calibration_tokens}: must be at least 2")
     if args.sampled_tokens < 0:
         raise ValueError(f"--sampled-tokens {args.sampled_tokens}: must be 0 or more")
+    if args.tune < 0:
+        raise ValueError(f"--tune {args.tune}: must be 0 or more")
 
 
 def calibrated_model(args: argparse.Namespace, source: str):
@@ -199,7 +204,7 @@ def calibrated_model(args: argparse.Namespace, source: str):
     tokens = tokens[:args.calibration_tokens] if args.calibration_tokens else tokens
     seqs = calibration_sequences(tokens, None, seq_len)
     seqs += sampled_sequences(model, tokens, args.sampled_tokens, seq_len, progress=sys.stderr.isatty())
-    return quantize_calibrated(model, args.mode, args.method, seqs, args.act_order, progress=sys.stderr.isatty())
+    return quantize_calibrated(model, args.mode, args.method, seqs, args.act_order, sys.stderr.isatty(), args.tune)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -217,6 +222,7 @@ def run(args: argparse.Namespace) -> None:
     except OSError as e:  # e.g. the disk filled up while writing
         raise ValueError(f"cannot write to --out {args.out!r}: {e.strerror or e}") from None
     print(f"wrote {args.out} ({args.mode} {args.method}{' act-order' if args.act_order else ''}"
+          f"{f' tune {args.tune}' if args.tune else ''}"
           f"{', head quantized' if args.quantize_head else ''}, "
           f"weights {weight_bytes(model) / 1e6:.1f} MB)", file=sys.stderr)
 

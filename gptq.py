@@ -16,6 +16,10 @@ M calibration rows (tokens), C model width, F one MLP's width.
   descent (the straight-through round) so that the quantized block's output, on the inputs the quantized blocks
   before it give, matches the float block's output on the float model's: the error the whole block makes, not each
   linear's alone.
+- tune (tune_grid, after any of these): the groups' scales and zeros are trained end to end with the codes fixed, on
+  the KL of the quantized model's next-token distributions from the float model's over the calibration sequences
+  (the end-to-end step of EfficientQAT, Chen et al. 2024): rounding chose each code block by block, this fits the
+  grid under them to the errors of all layers together. It keeps a float copy of the model for its targets.
 All choose each group's scale and zero from its min and max shrunk by the factor of CLIP that minimizes the rounding
 error weighted by H's diagonal (round-to-nearest's plain min/max lets one outlier coarsen the whole group's steps).
 The blocks are calibrated in turn: the inputs of block i are the outputs of the already quantized blocks before it,
@@ -23,6 +27,7 @@ so the memory is one block's activations for the calibration tokens (and one H p
 the float model's too). The calibration tokens are a text's, and optionally text the float model writes itself from
 it (sampled_sequences), which on SmolLM2 helps more than any other change tried (README, Quality).
 """
+import copy
 import os
 
 import torch
@@ -31,7 +36,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvcache import KVCache
-from quantize import KERNEL_DTYPE, dequantize_int4, make_quantized_linear, parse_mode, quantization_of, quantize_int4
+from quantize import (KERNEL_DTYPE, Int4Linear, dequantize_int4, make_quantized_linear, parse_mode, quantization_of,
+                      quantize_int4, unpermute_columns)
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq", "round", "awq+round")
 DAMP = 0.01  # GPTQ's damping: this fraction of H's mean diagonal added to it (the paper's default)
@@ -42,6 +48,7 @@ ROUND_STEPS = 200  # learned rounding's signed-gradient steps a block, the learn
 # linearly to 0 (AutoRound's)
 ROUND_BATCH = 2  # calibration sequences a step
 SEQ_LEN = 512  # calibration tokens per sequence
+TUNE_LR = 1e-3  # Adam's learning rate for tune_grid, decaying linearly to 0
 # Public-domain and project-written text, disjoint from quality.py's evaluation text: Genesis 1:1-19 (King James
 # Version), the Gettysburg Address, and short stories and prose written for this project.
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "calibration.txt")
@@ -247,6 +254,85 @@ def learn_rounding(block: nn.Module, linears: dict[str, nn.Module], states: list
     return learned
 
 
+# ---- the grid tuned end to end ----
+
+class TunableGrid(nn.Module):
+    """An Int4Linear's product with its codes fixed and its groups' scales and zeros trainable: scale s (1 + a), zero
+    z + s b, with a and b (N, K/G) starting at 0 (the Int4Linear's own weight). Float32; for tune_grid only."""
+
+    def __init__(self, q: nn.Module):
+        super().__init__()
+        self.source = [q]  # in a list, not a submodule: its buffers stay out of the model's while the grid trains
+        self.register_buffer("codes", q.codes().float().sub_(8))  # (N, K) padded, in code order
+        s, z = q.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # (N, K/G) each
+        self.register_buffer("scale0", s.contiguous())
+        self.register_buffer("zero0", z.contiguous())
+        self.a = nn.Parameter(torch.zeros_like(s))
+        self.b = nn.Parameter(torch.zeros_like(s))
+
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and zeros (N, K/G) the parameters give."""
+        return self.scale0 * (1 + self.a), self.zero0 + self.scale0 * self.b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.source[0]
+        scale, zero = self.grid()
+        N, K = self.codes.shape
+        w = (self.codes.view(N, -1, q.group_size) * scale[..., None] + zero[..., None]).view(N, K)
+        w = w[:q.out_features, :q.in_features]  # (N, K) unpadded, as Int4Linear.dequantize
+        w = w if q.in_perm is None else unpermute_columns(w, q.in_perm)
+        return F.linear(x, w.to(x.dtype), None if q.bias is None else q.bias.to(x.dtype))
+
+    @torch.no_grad()
+    def tuned(self) -> nn.Module:
+        """The Int4Linear, its scales and zeros replaced by the trained ones (rounded to bf16, as it stores them)."""
+        q = self.source[0]
+        scale, zero = self.grid()
+        q.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(KERNEL_DTYPE).contiguous()
+        q.repack(q.kernel)  # a kernel layout may hold the scales too
+        return q
+
+
+def tune_grid(model: nn.Module, reference: nn.Module, sequences: list[list[int]], passes: int, lr: float = TUNE_LR,
+              seed: int = 0, progress: bool = False) -> nn.Module:
+    """Tune every Int4Linear's group scales and zeros in place, end to end, their codes fixed: Adam on the KL of the
+    model's next-token distributions from the float reference's, one full-length calibration sequence a step, each
+    pass over them in a seeded order, the learning rate decaying linearly to 0. Rounding picked each code block by
+    block; this moves the grid under the codes so that all layers' errors together cost the output least."""
+    device = model.embed_tokens.weight.device
+    tunable = {name: TunableGrid(m) for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    for name, t in tunable.items():
+        model.set_submodule(name, t)
+    params = [p for t in tunable.values() for p in (t.a, t.b)]
+    trained = {id(p) for p in params}
+    frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in trained]
+    for p in frozen:
+        p.requires_grad_(False)
+    longest = max(map(len, sequences))
+    full = [s for s in sequences if len(s) == longest]
+    generator = torch.Generator().manual_seed(seed)
+    order = [full[i] for _ in range(passes) for i in torch.randperm(len(full), generator=generator).tolist()]
+    opt = torch.optim.Adam(params, lr=lr)
+    try:
+        with torch.enable_grad():
+            for step, seq in enumerate(tqdm(order, desc="tuning the grid", unit="seq", disable=not progress)):
+                tokens, pos = torch.tensor([seq], device=device), torch.arange(len(seq), device=device)
+                with torch.no_grad():
+                    want = torch.log_softmax(reference(tokens, pos, None, all_logits=True)[0], dim=-1)  # (T, V)
+                got = torch.log_softmax(model(tokens, pos, None, all_logits=True)[0], dim=-1)  # (T, V)
+                F.kl_div(got, want, reduction="batchmean", log_target=True).backward()  # KL(want || got) / T
+                for group in opt.param_groups:
+                    group["lr"] = lr * (1 - step / len(order))
+                opt.step()
+                opt.zero_grad()
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        for name, t in tunable.items():
+            model.set_submodule(name, t.tuned())
+    return model
+
+
 # ---- the model, block by block ----
 
 def calibration_sequences(tokens: list[int], max_tokens: int | None, seq_len: int) -> list[list[int]]:
@@ -342,10 +428,10 @@ def input_stats(block: nn.Module, linears: list[nn.Module], states: list) -> dic
 
 @torch.no_grad()
 def quantize_calibrated(model: nn.Module, mode: str, method: str, sequences: list[list[int]],
-                        act_order: bool = False, progress: bool = False) -> nn.Module:
+                        act_order: bool = False, progress: bool = False, tune: int = 0) -> nn.Module:
     """Quantize a float model's block linears to int4 in place with `method` (METHODS: GPTQ, AWQ, learned rounding)
     from calibration token sequences, block by block (each block calibrated on the outputs of the quantized blocks
-    before it)."""
+    before it); then, with tune > 0, that many passes of tune_grid against a float copy kept for it."""
     kind, group = parse_mode(mode)
     if kind != "int4" or method not in METHODS[1:]:
         raise ValueError(f"--method {method} with --mode {mode}: GPTQ, AWQ and learned rounding make int4:G "
@@ -357,6 +443,9 @@ def quantize_calibrated(model: nn.Module, mode: str, method: str, sequences: lis
                          "use --method rtn")
     if quantization_of(model) is not None:
         raise ValueError("the model is quantized already; quantize from its float weights")
+    if tune < 0:
+        raise ValueError(f"--tune {tune}: must be 0 or more")
+    reference = copy.deepcopy(model) if tune else None
     dtype = model.norm.weight.dtype
     device = model.embed_tokens.weight.device
     states = []  # per sequence: (x, input_pos, cos, sin, mask), what a block takes
@@ -385,4 +474,7 @@ def quantize_calibrated(model: nn.Module, mode: str, method: str, sequences: lis
             block.set_submodule(name, q)
         del stats
         states = [(block(*state, None), *state[1:]) for state in states]
+    if tune:
+        del states, float_states
+        tune_grid(model, reference, sequences, tune, progress=progress)
     return model

@@ -81,10 +81,11 @@ def variants(methods: tuple[str, ...], modes: tuple[str, ...] = MODES) -> list[t
 
 def evaluate(model_path: str, text_file: str = DATA_FILE, device: str = "cpu", progress: bool = False,
              methods: tuple[str, ...] = ("rtn",), calibration: list[int] | None = None,
-             act_order: bool = False, sampled_tokens: int = 0, modes: tuple[str, ...] = MODES) -> list[dict]:
+             act_order: bool = False, sampled_tokens: int = 0, modes: tuple[str, ...] = MODES,
+             tune: int = 0) -> list[dict]:
     """Rows of the quality table for the model at model_path (a float32 reference) over the text file; gptq / awq
     rows are calibrated on the tokens `calibration` (another text's) and about sampled_tokens the model writes from
-    them."""
+    them, then their grid tuned `tune` passes."""
     ref_model, path = load_model(model_path, device, torch.float32, quantize="none")  # a GGUF's blocks dequantized
     if calibration is not None:
         seq_len = min(SEQ_LEN, ref_model.args.max_seq_len)
@@ -101,10 +102,12 @@ def evaluate(model_path: str, text_file: str = DATA_FILE, device: str = "cpu", p
             model = quantize_model(copy.deepcopy(ref_model), mode, head)
         else:
             model = quantize_calibrated(copy.deepcopy(ref_model), mode, method, calibration,
-                                        act_order and "gptq" in method)
+                                        act_order and "gptq" in method, tune=tune)
         test = ref if (mode is None and kv == "model") else teacher_forced_logprobs(model, tokens, kv)
         row = compare(ref, test, tokens)
-        row.update(weights=name, method=method + (" act-order" if act_order and "gptq" in method else ""),
+        label = method + (" act-order" if act_order and "gptq" in method else "") + (
+            f" tune {tune}" if tune and method not in ("-", "rtn") else "")
+        row.update(weights=name, method=label,
                    head="yes" if head else "no", kv_cache=kv, weight_bytes=weight_bytes(model),
                    dppl=row["ppl"] - ref_ppl, tokens=len(tokens))
         rows.append(row)
@@ -192,6 +195,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--methods", default="rtn", help=f"comma-separated, of {', '.join(METHODS)} (default rtn)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated (default {','.join(MODES)})")
     p.add_argument("--act-order", action="store_true", help="gptq rows with act-order")
+    p.add_argument("--tune", type=int, default=0, metavar="PASSES",
+                   help="calibrated rows: then tune the int4 grid end to end, this many passes (export.py --tune)")
     p.add_argument("--calibration", default=CALIBRATION_FILE, metavar="FILE",
                    help="calibration text for gptq/awq (default: data/calibration.txt; keep it apart from --text)")
     p.add_argument("--calibration-tokens", type=int, default=None, metavar="N", help="its first N tokens (all)")
@@ -225,8 +230,10 @@ def run(args: argparse.Namespace) -> None:
         calibration = tokens[:args.calibration_tokens] if args.calibration_tokens else tokens
     if args.sampled_tokens < 0:
         raise ValueError(f"--sampled-tokens {args.sampled_tokens}: must be 0 or more")
+    if args.tune < 0:
+        raise ValueError(f"--tune {args.tune}: must be 0 or more")
     print(format_table(evaluate(model, args.text, args.device, sys.stderr.isatty(), methods, calibration,
-                                args.act_order, args.sampled_tokens, modes)))
+                                args.act_order, args.sampled_tokens, modes, args.tune)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -183,6 +183,40 @@ def test_calibrated_model_closer_than_rtn(tiny, method):
     assert err["cal"] < err["rtn"]
 
 
+@pytest.mark.parametrize("method,act_order", [("awq+round", False), ("gptq", True)])
+def test_tune_grid_lowers_kl_with_codes_fixed(tiny, method, act_order):
+    """--tune: the grid tuned end to end leaves every code and act-order as rounding chose them, moves the scales and
+    zeros so the next-token KL from the float model on the calibration sequences drops, and hands back Int4Linears
+    whose kernel computes their dequantized weight; the model's own parameters keep their requires_grad."""
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, 160, (64,), generator=gen).tolist() for _ in range(4)]
+    tokens, pos = torch.tensor(seqs), torch.arange(64)
+    want = torch.log_softmax(tiny(tokens, pos, all_logits=True), -1)
+
+    def kl(model):
+        got = torch.log_softmax(model(tokens, pos, all_logits=True), -1)
+        return (want.exp() * (want - got)).sum(-1).mean()
+
+    plain = quantize_calibrated(copy.deepcopy(tiny), "int4:32", method, seqs, act_order)
+    model = copy.deepcopy(tiny)
+    model.norm.weight.requires_grad_(True)  # frozen while the grid trains, trainable again after
+    tuned = quantize_calibrated(model, "int4:32", method, seqs, act_order, tune=4)
+    assert kl(tuned) < 0.9 * kl(plain)
+    linears = [(n, m) for n, m in tuned.named_modules() if isinstance(m, Int4Linear)]
+    assert len(linears) == 2 * 4  # qkv, o, gate_up, down per block
+    moved = 0
+    for name, m in linears:
+        before = plain.get_submodule(name)
+        assert torch.equal(m.codes(), before.codes()) and m.kernel == before.kernel
+        assert (m.in_perm is None) == (not act_order) and (m.in_perm is None or torch.equal(m.in_perm, before.in_perm))
+        moved += int((m.scales_and_zeros != before.scales_and_zeros).sum())
+        x = torch.randn(5, m.in_features, generator=gen)
+        torch.testing.assert_close(m(x), x @ m.dequantize().t(), atol=1e-2, rtol=1e-2)  # the kernel's bf16 inputs
+    assert moved > 0
+    assert [n for n, p in tuned.named_parameters() if p.requires_grad] == ["norm.weight"]
+    assert torch.equal(tuned.norm.weight, plain.norm.weight)
+
+
 def test_sampled_sequences(tiny):
     """Self-sampled calibration: enough seq_len sequences for the tokens asked, each from a 4-token window of the
     text, the same for the same seed, another for another; a sharp model's samples follow its argmax."""
@@ -229,12 +263,13 @@ def test_refusals(tiny):
 
 
 def test_export_gptq_act_order_folder(tiny_text_dir, tmp_path):
-    """export.py --method gptq --act-order writes a folder that loads with the input orders it was solved with."""
+    """export.py --method gptq --act-order --tune 1 writes a folder that loads with the input orders it was solved
+    with."""
     import export
 
     out = tmp_path / "gptq"
     assert export.main(["--model", tiny_text_dir, "--mode", "int4:64", "--method", "gptq", "--act-order",
-                        "--calibration-tokens", "500", "--sampled-tokens", "100", "--dtype", "float32",
+                        "--calibration-tokens", "500", "--sampled-tokens", "100", "--dtype", "float32", "--tune", "1",
                         "--out", str(out)]) == 0
     loaded, _ = load_model(str(out), "cpu", torch.float32)
     qkv = loaded.layers[0].self_attn.qkv_proj
@@ -248,6 +283,8 @@ def test_export_gptq_act_order_folder(tiny_text_dir, tmp_path):
     (["--mode", "int4:32", "--act-order"], "need a calibrated --method"),
     (["--mode", "int4:32", "--sampled-tokens", "64"], "need a calibrated --method"),
     (["--mode", "int4:32", "--method", "gptq", "--sampled-tokens", "-1"], "must be 0 or more"),
+    (["--mode", "int4:32", "--tune", "1"], "need a calibrated --method"),
+    (["--mode", "int4:32", "--method", "awq", "--tune", "-1"], "--tune -1: must be 0 or more"),
     (["--mode", "int4:32", "--method", "gptq", "--calibration-tokens", "1"], "must be at least 2")])
 def test_export_method_flags_checked_first(tiny_text_dir, tmp_path, cli_error, argv, message):
     import export

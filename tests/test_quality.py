@@ -82,6 +82,20 @@ def test_cli_modes_and_sampled_calibration(tiny_text_dir, tmp_path, capsys, cli_
     assert "group size '48' in 'int4:48'" in err
     assert "must be 0 or more" in cli_error(quality.main, ["--model", tiny_text_dir, "--methods", "gptq",
                                                            "--sampled-tokens", "-5"])
+    assert "--tune -1: must be 0 or more" in cli_error(quality.main, ["--model", tiny_text_dir, "--tune", "-1"])
+
+
+def test_cli_tune_rows(tiny_text_dir, tmp_path, capsys):
+    """--tune: the calibrated rows say it and differ from untuned ones; round-to-nearest's rows stay as they are."""
+    text = tmp_path / "eval.txt"
+    text.write_text("Mr. Bennet was so odd a mixture of quick parts, sarcastic humour, reserve, and caprice.\n" * 3)
+    out = {}
+    for tune in ("0", "2"):
+        assert quality.main(["--model", tiny_text_dir, "--text", str(text), "--methods", "rtn,awq", "--modes",
+                             "int4:64", "--calibration-tokens", "300", "--tune", tune]) == 0
+        out[tune] = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[1] for r in out["2"]] == ["-", "-", "rtn", "rtn", "awq tune 2"]
+    assert out["2"][:4] == out["0"][:4] and out["2"][4][5] != out["0"][4][5]
 
 
 def test_cli_refuses_calibrating_on_the_evaluation_text(tiny_text_dir, cli_error):

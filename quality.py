@@ -232,6 +232,8 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--sampled-tokens {args.sampled_tokens}: must be 0 or more")
     if args.tune < 0:
         raise ValueError(f"--tune {args.tune}: must be 0 or more")
+    if args.tune and calibration is None:
+        raise ValueError(f"--tune {args.tune}: needs a calibrated method in --methods ({args.methods})")
     print(format_table(evaluate(model, args.text, args.device, sys.stderr.isatty(), methods, calibration,
                                 args.act_order, args.sampled_tokens, modes, args.tune)))
 

@@ -83,6 +83,8 @@ def test_cli_modes_and_sampled_calibration(tiny_text_dir, tmp_path, capsys, cli_
     assert "must be 0 or more" in cli_error(quality.main, ["--model", tiny_text_dir, "--methods", "gptq",
                                                            "--sampled-tokens", "-5"])
     assert "--tune -1: must be 0 or more" in cli_error(quality.main, ["--model", tiny_text_dir, "--tune", "-1"])
+    assert "--tune 1: needs a calibrated method in --methods (rtn)" in cli_error(
+        quality.main, ["--model", tiny_text_dir, "--tune", "1"])
 
 
 def test_cli_tune_rows(tiny_text_dir, tmp_path, capsys):

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvcache import KVCache
+from model import RMSNorm
 from quantize import (KERNEL_DTYPE, Int4Linear, dequantize_int4, make_quantized_linear, parse_mode, quantization_of,
                       quantize_int4, unpermute_columns)
 
@@ -48,7 +49,8 @@ ROUND_STEPS = 200  # learned rounding's signed-gradient steps a block, the learn
 # linearly to 0 (AutoRound's)
 ROUND_BATCH = 2  # calibration sequences a step
 SEQ_LEN = 512  # calibration tokens per sequence
-TUNE_LR = 1e-3  # Adam's learning rate for tune_grid, decaying linearly to 0
+TUNE_LR = 1e-3  # Adam's learning rate for tune_grid's scales and zeros, decaying linearly to 0
+TUNE_NORM_LR = 3e-4  # and for the norms' weights beside them
 # Public-domain and project-written text, disjoint from quality.py's evaluation text: Genesis 1:1-19 (King James
 # Version), the Gettysburg Address, and short stories and prose written for this project.
 CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "calibration.txt")
@@ -293,18 +295,42 @@ class TunableGrid(nn.Module):
         return q
 
 
+class TunableNorm(nn.Module):
+    """An RMSNorm whose weight trains as a float32 copy, cast to the norm's dtype for each forward. For tune_grid."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.source = [norm]  # in a list, not a submodule, as TunableGrid's
+        self.weight = nn.Parameter(norm.weight.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.source[0]
+        return torch.func.functional_call(norm, {"weight": self.weight.to(norm.weight.dtype)}, (x,))
+
+    @torch.no_grad()
+    def tuned(self) -> nn.Module:
+        """The RMSNorm, its weight replaced by the trained one."""
+        norm = self.source[0]
+        norm.weight.copy_(self.weight)
+        return norm
+
+
 def tune_grid(model: nn.Module, reference: nn.Module, sequences: list[list[int]], passes: int, lr: float = TUNE_LR,
-              seed: int = 0, progress: bool = False) -> nn.Module:
-    """Tune every Int4Linear's group scales and zeros in place, end to end, their codes fixed: Adam on the KL of the
-    model's next-token distributions from the float reference's, one full-length calibration sequence a step, each
-    pass over them in a seeded order, the learning rate decaying linearly to 0. Rounding picked each code block by
-    block; this moves the grid under the codes so that all layers' errors together cost the output least."""
+              norm_lr: float = TUNE_NORM_LR, seed: int = 0, progress: bool = False) -> nn.Module:
+    """Tune every Int4Linear's group scales and zeros in place, end to end, their codes fixed, and the RMSNorms'
+    weights (float in the quantized model too) beside them: Adam on the KL of the model's next-token distributions
+    from the float reference's, one full-length calibration sequence a step, each pass over them in a seeded order,
+    the learning rate decaying linearly to 0. Rounding picked each code block by block; this moves the grid under
+    the codes, and the norms that scale each linear's inputs, so that all layers' errors together cost the output
+    least."""
     device = model.embed_tokens.weight.device
     tunable = {name: TunableGrid(m) for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    tunable |= {name: TunableNorm(m) for name, m in model.named_modules() if isinstance(m, RMSNorm)}
     for name, t in tunable.items():
         model.set_submodule(name, t)
-    params = [p for t in tunable.values() for p in (t.a, t.b)]
-    trained = {id(p) for p in params}
+    grids = [p for t in tunable.values() if isinstance(t, TunableGrid) for p in (t.a, t.b)]
+    norms = [t.weight for t in tunable.values() if isinstance(t, TunableNorm)]
+    trained = {id(p) for p in grids + norms}
     frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in trained]
     for p in frozen:
         p.requires_grad_(False)
@@ -312,19 +338,19 @@ def tune_grid(model: nn.Module, reference: nn.Module, sequences: list[list[int]]
     full = [s for s in sequences if len(s) == longest]
     generator = torch.Generator().manual_seed(seed)
     order = [full[i] for _ in range(passes) for i in torch.randperm(len(full), generator=generator).tolist()]
-    opt = torch.optim.Adam(params, lr=lr)
+    opt = torch.optim.Adam([{"params": grids, "lr": lr}, {"params": norms, "lr": norm_lr}])
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / len(order))
     try:
         with torch.enable_grad():
-            for step, seq in enumerate(tqdm(order, desc="tuning the grid", unit="seq", disable=not progress)):
+            for seq in tqdm(order, desc="tuning the grid", unit="seq", disable=not progress):
                 tokens, pos = torch.tensor([seq], device=device), torch.arange(len(seq), device=device)
                 with torch.no_grad():
                     want = torch.log_softmax(reference(tokens, pos, None, all_logits=True)[0], dim=-1)  # (T, V)
                 got = torch.log_softmax(model(tokens, pos, None, all_logits=True)[0], dim=-1)  # (T, V)
                 F.kl_div(got, want, reduction="batchmean", log_target=True).backward()  # KL(want || got) / T
-                for group in opt.param_groups:
-                    group["lr"] = lr * (1 - step / len(order))
                 opt.step()
                 opt.zero_grad()
+                decay.step()
     finally:
         for p in frozen:
             p.requires_grad_(True)

@@ -6,10 +6,12 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gptq import (awq_fold, awq_scale, gptq_solve, input_stats, int4_params, learn_rounding, learned_int4,
-                  quantize_calibrated, round_column, rtn_weight, sampled_sequences)
+                  quantize_calibrated, round_column, rtn_weight, sampled_sequences, tune_grid)
 from load import load_model
+from model import RMSNorm
 from quantize import Int4Linear, dequantize_int4, quantize_int4, unpermute_columns
 
 
@@ -186,8 +188,9 @@ def test_calibrated_model_closer_than_rtn(tiny, method):
 @pytest.mark.parametrize("method,act_order", [("awq+round", False), ("gptq", True)])
 def test_tune_grid_lowers_kl_with_codes_fixed(tiny, method, act_order):
     """--tune: the grid tuned end to end leaves every code and act-order as rounding chose them, moves the scales and
-    zeros so the next-token KL from the float model on the calibration sequences drops, and hands back Int4Linears
-    whose kernel computes their dequantized weight; the model's own parameters keep their requires_grad."""
+    zeros and the norms' weights so the next-token KL from the float model on the calibration sequences drops, and
+    hands back Int4Linears whose kernel computes their dequantized weight and RMSNorms of the model's dtype; the
+    model's own parameters keep their requires_grad."""
     gen = torch.Generator().manual_seed(6)
     seqs = [torch.randint(0, 160, (64,), generator=gen).tolist() for _ in range(4)]
     tokens, pos = torch.tensor(seqs), torch.arange(64)
@@ -200,7 +203,7 @@ def test_tune_grid_lowers_kl_with_codes_fixed(tiny, method, act_order):
     plain = quantize_calibrated(copy.deepcopy(tiny), "int4:32", method, seqs, act_order)
     model = copy.deepcopy(tiny)
     model.norm.weight.requires_grad_(True)  # frozen while the grid trains, trainable again after
-    tuned = quantize_calibrated(model, "int4:32", method, seqs, act_order, tune=4)
+    tuned = quantize_calibrated(model, "int4:32", method, seqs, act_order, tune=8)
     assert kl(tuned) < 0.9 * kl(plain)
     linears = [(n, m) for n, m in tuned.named_modules() if isinstance(m, Int4Linear)]
     assert len(linears) == 2 * 4  # qkv, o, gate_up, down per block
@@ -213,8 +216,29 @@ def test_tune_grid_lowers_kl_with_codes_fixed(tiny, method, act_order):
         x = torch.randn(5, m.in_features, generator=gen)
         torch.testing.assert_close(m(x), x @ m.dequantize().t(), atol=1e-2, rtol=1e-2)  # the kernel's bf16 inputs
     assert moved > 0
+    norms = [(n, m) for n, m in tuned.named_modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * 2 + 1
+    for name, m in norms:
+        assert m.weight.dtype == torch.float32 and not torch.equal(m.weight, plain.get_submodule(name).weight)
     assert [n for n, p in tuned.named_parameters() if p.requires_grad] == ["norm.weight"]
-    assert torch.equal(tuned.norm.weight, plain.norm.weight)
+
+
+def test_tune_grid_bfloat16(tiny):
+    """A bfloat16 model (export's default dtype) tunes as well: its norms train as float32 copies and come back
+    bfloat16, moved, its parameters all bfloat16 still, and its KL from the float model on the sequences lower."""
+    gen = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, 160, (64,), generator=gen).tolist() for _ in range(4)]
+    reference = copy.deepcopy(tiny).to(torch.bfloat16)
+    plain = quantize_calibrated(copy.deepcopy(reference), "int4:32", "awq", seqs)
+    before = copy.deepcopy(plain.norm.weight)
+    tuned = tune_grid(copy.deepcopy(plain), reference, seqs, passes=2, lr=1e-2, norm_lr=1e-2)  # steps past bf16 spacing
+    assert all(p.dtype == torch.bfloat16 for n, p in tuned.named_parameters())
+    assert not torch.equal(tuned.norm.weight, before)
+    tokens, pos = torch.tensor(seqs), torch.arange(64)
+    want = torch.log_softmax(reference(tokens, pos, all_logits=True).float(), -1)
+    kl = {name: F.kl_div(torch.log_softmax(m(tokens, pos, all_logits=True).float(), -1), want, log_target=True,
+                         reduction="batchmean") for name, m in (("plain", plain), ("tuned", tuned))}
+    assert kl["tuned"] < kl["plain"]
 
 
 def test_sampled_sequences(tiny):
@@ -264,7 +288,7 @@ def test_refusals(tiny):
 
 def test_export_gptq_act_order_folder(tiny_text_dir, tmp_path):
     """export.py --method gptq --act-order --tune 1 writes a folder that loads with the input orders it was solved
-    with."""
+    with and the norms' weights tuned."""
     import export
 
     out = tmp_path / "gptq"
@@ -275,6 +299,8 @@ def test_export_gptq_act_order_folder(tiny_text_dir, tmp_path):
     qkv = loaded.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, Int4Linear) and qkv.group_size == 64
     assert sorted(qkv.in_perm.tolist()) == list(range(64)) and qkv.in_perm.tolist() != list(range(64))
+    source, _ = load_model(tiny_text_dir, "cpu", torch.float32, quantize="none")
+    assert not torch.equal(loaded.norm.weight, source.norm.weight)  # GPTQ folds nothing into it: --tune moved it
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -170,8 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="gptq/awq: also calibrate on about N tokens the model writes itself from the text (default 0)")
     p.add_argument("--act-order", action="store_true", help="gptq: round the inputs of largest activation first")
     p.add_argument("--tune", type=int, default=0, metavar="PASSES",
-                   help="then tune the groups' scales and zeros end to end on the calibration text, codes fixed, "
-                   "this many passes (default 0; keeps a float copy of the model)")
+                   help="then tune the groups' scales and zeros (codes fixed) and the norms' weights end to end on "
+                   "the calibration text, this many passes (default 0; keeps a float copy of the model)")
     return p.parse_args(argv)
 
 

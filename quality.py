@@ -196,7 +196,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated (default {','.join(MODES)})")
     p.add_argument("--act-order", action="store_true", help="gptq rows with act-order")
     p.add_argument("--tune", type=int, default=0, metavar="PASSES",
-                   help="calibrated rows: then tune the int4 grid end to end, this many passes (export.py --tune)")
+                   help="calibrated rows: then tune the int4 grid and the norms end to end, this many passes "
+                   "(export.py --tune)")
     p.add_argument("--calibration", default=CALIBRATION_FILE, metavar="FILE",
                    help="calibration text for gptq/awq (default: data/calibration.txt; keep it apart from --text)")
     p.add_argument("--calibration-tokens", type=int, default=None, metavar="N", help="its first N tokens (all)")

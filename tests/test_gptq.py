@@ -225,7 +225,7 @@ def test_tune_grid_lowers_kl_with_codes_fixed(tiny, method, act_order):
 
 def test_tune_grid_bfloat16(tiny):
     """A bfloat16 model (export's default dtype) tunes as well: its norms train as float32 copies and come back
-    bfloat16, moved, its parameters all bfloat16 still, and its KL from the float model on the sequences lower."""
+    bfloat16, moved, its parameters all bfloat16 still, and its KL from the unquantized model on the sequences lower."""
     gen = torch.Generator().manual_seed(7)
     seqs = [torch.randint(0, 160, (64,), generator=gen).tolist() for _ in range(4)]
     reference = copy.deepcopy(tiny).to(torch.bfloat16)

@@ -324,13 +324,12 @@ def tune_grid(model: nn.Module, reference: nn.Module, sequences: list[list[int]]
     the codes, and the norms that scale each linear's inputs, so that all layers' errors together cost the output
     least."""
     device = model.embed_tokens.weight.device
-    tunable = {name: TunableGrid(m) for name, m in model.named_modules() if isinstance(m, Int4Linear)}
-    tunable |= {name: TunableNorm(m) for name, m in model.named_modules() if isinstance(m, RMSNorm)}
+    grids = {name: TunableGrid(m) for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    norms = {name: TunableNorm(m) for name, m in model.named_modules() if isinstance(m, RMSNorm)}
+    tunable = grids | norms
     for name, t in tunable.items():
         model.set_submodule(name, t)
-    grids = [p for t in tunable.values() if isinstance(t, TunableGrid) for p in (t.a, t.b)]
-    norms = [t.weight for t in tunable.values() if isinstance(t, TunableNorm)]
-    trained = {id(p) for p in grids + norms}
+    trained = {id(p) for t in tunable.values() for p in t.parameters()}
     frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in trained]
     for p in frozen:
         p.requires_grad_(False)
@@ -338,7 +337,8 @@ def tune_grid(model: nn.Module, reference: nn.Module, sequences: list[list[int]]
     full = [s for s in sequences if len(s) == longest]
     generator = torch.Generator().manual_seed(seed)
     order = [full[i] for _ in range(passes) for i in torch.randperm(len(full), generator=generator).tolist()]
-    opt = torch.optim.Adam([{"params": grids, "lr": lr}, {"params": norms, "lr": norm_lr}])
+    opt = torch.optim.Adam([{"params": [p for t in grids.values() for p in t.parameters()], "lr": lr},
+                            {"params": [t.weight for t in norms.values()], "lr": norm_lr}])
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / len(order))
     try:
         with torch.enable_grad():

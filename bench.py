@@ -9,6 +9,8 @@ compute-bound. bench.py measures this machine's bandwidth itself and reports how
   python bench.py --shape llama-2-7b --device cuda --compile      # random weights, no download
   python bench.py --plan --shape llama-2-7b [--memory-gib 80] [--context 4096]
   python bench.py --json-schema schema.json --batch-size 1 16    # + what structured output's masking costs a step
+  python bench.py --engine --batch-size 1 16 64 256 --compile    # the serving engine's decode steps per batch
+  python bench.py --table out/*.json                             # the --json files of several runs as one table
 
 A mixture of experts (Mixtral) holds all E experts in memory but a batch-1 decode step reads only the k its token
 is routed to: its decode ceiling comes from those active bytes, its memory plan from all of them.
@@ -228,6 +230,75 @@ def mask_cost(grammar, vocab_size: int, batch_size: int, steps: int, device) -> 
     return {mode: t / steps for mode, t in times.items()}
 
 
+class NoText:
+    """The engine's tokenizer in engine_bench: token ids only, no text (its cost is not the model's) and no
+    end-of-sequence id."""
+    eos_ids: list[int] = []
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+    def stream(self) -> "NoText":
+        return self
+
+    def push(self, token: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def engine_bench(model, step: Step, batch_sizes: list[int], prompt_len: int, new_tokens: int, runs: int,
+                 bandwidth: float) -> list[dict]:
+    """The serving engine (continuous batching over the paged KV cache; with a CUDA-graph step, batches padded to
+    buckets) decoding batch_size sequences together: each run submits that many random prompts at once, which the
+    engine prefills in its first step and then decodes as one batch to the end. The median run's time to the first
+    token and time per decode step (the time after the last first token over the new_tokens - 1 steps), after one
+    run that warms up (compiles, captures) that batch's shapes. Token ids only: no text is decoded."""
+    from engine import Engine, EngineConfig
+
+    largest, blocks_per_seq = max(batch_sizes), -(-(prompt_len + new_tokens) // 16)
+    config = EngineConfig(block_size=16, num_blocks=1 + largest * blocks_per_seq, max_running=largest,
+                          max_waiting=largest, token_budget=largest * (prompt_len + 1), prefix_caching=False)
+    engine = Engine(model, NoText(), config, step)
+    params = SamplingParams(temperature=0)  # no end-of-sequence id: every sequence decodes new_tokens
+    kv_per_token = engine.pool.bytes_per_token
+    rows = []
+    for b in batch_sizes:
+        timings = []
+        for run in range(runs + 1):
+            prompts = torch.randint(0, model.args.vocab_size, (b, prompt_len)).tolist()
+            done = engine.generate(prompts, params, new_tokens)
+            assert all(len(c.tokens) == new_tokens for c in done)
+            first = max(c.ttft_s for c in done)  # every row's first token is in: the decode steps start
+            if run:  # the first run warms up
+                timings.append((statistics.median(c.ttft_s for c in done),
+                                (done[0].total_s - first) / (new_tokens - 1)))
+        ttft, step_s = sorted(timings, key=lambda t: t[1])[len(timings) // 2]  # the median run by its step time
+        kv_read = kv_per_token * b * (prompt_len + new_tokens / 2)  # the rows' keys and values, mean over the steps
+        step_bytes = step_weight_bytes(model, b) + kv_read
+        rows.append({"batch_size": b, "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs,
+                     "ttft_ms": ttft * 1e3, "tpot_ms": step_s * 1e3, "decode_tok_s": b / step_s,
+                     "weight_bytes": weight_bytes(model), "kv_bytes_per_token": kv_per_token,
+                     "kv_bytes_total": kv_per_token * b * (prompt_len + new_tokens),
+                     "achieved_gb_s": step_bytes / step_s / 1e9,
+                     "roofline_pct": 100 * step_bytes / step_s / 1e9 / bandwidth})
+    for r in rows:
+        r["step_vs_1"] = r["tpot_ms"] / rows[0]["tpot_ms"] if rows[0]["batch_size"] == 1 else None
+    return rows
+
+
+def print_engine_table(rows: list[dict], header: str, bandwidth: float) -> None:
+    print(header)
+    print(f"measured memory bandwidth: {bandwidth:.1f} GB/s (1 GiB read); a step reads the weights once for every "
+          "row and each row's keys and values")
+    print("batch | TTFT ms | step ms | decode tok/s | step / 1-row step | KV MB | GB/s | % roofline")
+    for r in rows:
+        ratio = "" if r["step_vs_1"] is None else f"{r['step_vs_1']:.2f}x"
+        print(f"{r['batch_size']} | {r['ttft_ms']:.1f} | {r['tpot_ms']:.2f} | {r['decode_tok_s']:.1f} | {ratio} | "
+              f"{r['kv_bytes_total'] / 1e6:.1f} | {r['achieved_gb_s']:.1f} | {r['roofline_pct']:.0f}%")
+
+
 def print_table(rows: list[dict], header: str, bandwidth: float, peak_tflops: float) -> None:
     print(header)
     print(f"measured memory bandwidth: {bandwidth:.1f} GB/s (1 GiB read); "
@@ -248,6 +319,39 @@ def print_table(rows: list[dict], header: str, bandwidth: float, peak_tflops: fl
             print(f"{r['batch_size']} | {r['tpot_ms']:.2f} | {r['mask_ms']:.3f} | "
                   f"{100 * r['mask_ms'] / r['tpot_ms']:.1f}% | {r['mask_per_row_ms']:.3f} | "
                   f"{100 * r['mask_per_row_ms'] / r['tpot_ms']:.1f}%")
+
+
+def print_summary(paths: list[str]) -> None:
+    """The --json files of several runs (gpu_check.sh's) as one table: a row per result, its decode speed beside the
+    float weights' at the same model, compile mode, loop, batch and prompt ("vs float"), against each run's own
+    measured bandwidth and matmul peak."""
+    runs = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                runs.append((os.path.basename(path).removesuffix(".json"), json.load(f)))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--table: cannot read {path!r}: {e}") from None
+    def key(run: dict, r: dict) -> tuple:
+        return run["model"], run["compile"], run.get("engine", False), r["batch_size"], r["prompt_len"]
+
+    float_tok_s = {key(run, r): r["decode_tok_s"] for _, run in runs if run.get("weights") == "float"
+                   for r in run["results"]}
+    print("run | model | weights | step | loop | batch | prompt | TTFT ms | % matmul peak | TPOT ms | decode tok/s | "
+          "vs float | GB/s | % bandwidth")
+    for label, run in runs:
+        loop = "engine" if run.get("engine") else "generate"
+        for r in run["results"]:
+            base = float_tok_s.get(key(run, r))
+            peak = f"{r['prefill_peak_pct']:.0f}%" if "prefill_peak_pct" in r else ""
+            ratio = "" if base is None else f"{r['decode_tok_s'] / base:.2f}x"
+            print(f"{label} | {run['model']} | {run.get('weights', '?')} | {run['compile']} | {loop} | "
+                  f"{r['batch_size']} | {r['prompt_len']} | {r['ttft_ms']:.1f} | {peak} | {r['tpot_ms']:.2f} | "
+                  f"{r['decode_tok_s']:.1f} | {ratio} | "
+                  f"{r['achieved_gb_s']:.0f} | {r['roofline_pct']:.0f}%")
+    for label, run in runs:
+        print(f"{label}: {run['device']} {run['dtype']}, measured {run['bandwidth_gb_s']:.0f} GB/s and "
+              f"{run['matmul_peak_tflop_s']:.1f} TFLOP/s")
 
 
 def llama_bench(binary: str, path: str, threads: int, prompt_lens: list[int], new_tokens: int, runs: int) -> dict:
@@ -309,6 +413,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also measure what masking logits with this JSON Schema adds to each decode step")
     p.add_argument("--llama-bench", default=None, metavar="BINARY",
                    help="also run llama.cpp's llama-bench on the same GGUF file and threads, and print the ratios")
+    p.add_argument("--engine", action="store_true", help="run the serving engine (engine.py) instead of "
+                   "decode.generate: each --batch-size as that many sequences submitted at once and decoded together")
+    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                   help="print the --json files of earlier runs as one table, and nothing else")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -339,6 +447,11 @@ def run(args: argparse.Namespace) -> None:
     if args.llama_bench and (args.shape or args.plan):
         raise ValueError("--llama-bench runs llama.cpp on the same GGUF file: pass --model (or its default), not "
                          "--shape or --plan")
+    if args.engine and (len(args.prompt_len) > 1 or args.llama_bench or args.json_schema or args.deterministic):
+        raise ValueError("--engine takes one --prompt-len, and not --llama-bench, --json-schema or --deterministic")
+    if args.table:
+        print_summary(args.table)
+        return
     device = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -356,9 +469,21 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"prompt + new tokens = {max_len} exceeds the model's context of {model.args.max_seq_len}")
     bandwidth = measure_bandwidth(device)
     peak_tflops = measure_matmul_tflops(device, dtype)
-    step = Step(model, args.compile, deterministic=args.deterministic, decode_steps=args.new_tokens)  # as users get
-    rows = [bench(model, device, b, p, args.new_tokens, args.runs, step, bandwidth, peak_tflops)
-            for b in args.batch_size for p in args.prompt_len]
+    # as users get it: generate.py's step for new_tokens, or serve.py's (unbounded)
+    step = Step(model, args.compile, deterministic=args.deterministic,
+                decode_steps=None if args.engine else args.new_tokens)
+    threads = f", {torch.get_num_threads()} threads ({cpu_class()})" if device.type == "cpu" else ""
+    header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
+              f"weights {describe(model)} | "
+              f"{'eager' if step.mode == 'none' else 'compiled: ' + step.mode}"
+              f"{', deterministic' if step.deterministic else ''} | {args.new_tokens} new tokens, "
+              f"median of {args.runs}")
+    if args.engine:
+        rows = engine_bench(model, step, args.batch_size, args.prompt_len[0], args.new_tokens, args.runs, bandwidth)
+        print_engine_table(rows, f"engine: {header}", bandwidth)
+    else:
+        rows = [bench(model, device, b, p, args.new_tokens, args.runs, step, bandwidth, peak_tflops)
+                for b in args.batch_size for p in args.prompt_len]
     if args.json_schema is not None:
         from grammar import Compiler, Constraint, json_schema_arg
         from tokenizer import load_tokenizer
@@ -370,22 +495,18 @@ def run(args: argparse.Namespace) -> None:
         for r in rows:
             cost = mask_cost(grammar, model.args.vocab_size, r["batch_size"], args.new_tokens * args.runs, device)
             r["mask_ms"], r["mask_per_row_ms"] = cost["batched"] * 1e3, cost["per_row"] * 1e3
-    threads = f", {torch.get_num_threads()} threads ({cpu_class()})" if device.type == "cpu" else ""
-    header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
-              f"weights {describe(model)} | "
-              f"{'eager' if step.mode == 'none' else 'compiled: ' + step.mode}"
-              f"{', deterministic' if step.deterministic else ''} | {args.new_tokens} new tokens, "
-              f"median of {args.runs}")
-    if step.mode != "none":
-        header += f" | compile + first run {rows[0]['compile_s']:.1f} s"
-    print_table(rows, header, bandwidth, peak_tflops)
+    if not args.engine:
+        if step.mode != "none":
+            header += f" | compile + first run {rows[0]['compile_s']:.1f} s"
+        print_table(rows, header, bandwidth, peak_tflops)
     if args.llama_bench:
         print_peer(rows, llama_bench(args.llama_bench, path, torch.get_num_threads(), args.prompt_len,
                                      args.new_tokens, args.runs), torch.get_num_threads())
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": name, "device": device.type, "dtype": str(dtype), "compile": step.mode,
-                       "bandwidth_gb_s": bandwidth, "matmul_peak_tflop_s": peak_tflops, "results": rows}, f, indent=2)
+                       "weights": describe(model), "engine": args.engine, "bandwidth_gb_s": bandwidth,
+                       "matmul_peak_tflop_s": peak_tflops, "results": rows}, f, indent=2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,11 @@ class QueueFull(RuntimeError):
     pass
 
 
+def bucket(n: int, cap: int) -> int:
+    """The padded size of n rows (or blocks): the next power of two, at most cap (itself a bucket); n <= cap."""
+    return min(1 << (n - 1).bit_length(), cap)
+
+
 def check(request: Request, context: int, cfg: EngineConfig) -> None:
     """Raise a ValueError naming what an engine with config cfg, for a model of this context, cannot serve."""
     echo = request.max_new_tokens == 0 and request.prompt_logprobs is not None  # the prefill only
@@ -82,6 +87,9 @@ class Engine:
         self.decode_step = check_step(step, model)  # eager, or compiled (step.Step)
         weight = model.embed_tokens.weight
         self.device = weight.device
+        graphs = self.decode_step.mode == "full" and self.device.type == "cuda"  # CUDA graphs (step.compile_full)
+        self.buckets = graphs if config.bucket_batches is None else config.bucket_batches
+        self.max_width = -(-model.args.max_seq_len // config.block_size)  # blocks a sequence holds at most
         self.pool = BlockPool.for_model(model.args, config.num_blocks, config.block_size, weight.dtype, self.device)
         self.blocks = BlockManager(self.pool, config.prefix_caching, config.cache_window, config.sink_tokens)
         self.scheduler = Scheduler(config, self.blocks)
@@ -172,10 +180,22 @@ class Engine:
         its rows (they cannot be told apart), and the engine serves on."""
         ready = []
         if decodes:
-            tokens = torch.tensor([[s.tokens[-1]] for s in decodes], device=self.device)  # (B, 1)
-            pos = torch.tensor([[s.n_computed] for s in decodes], device=self.device)  # (B, 1) per-row positions
+            rows = [([s.tokens[-1]], [s.n_computed], s.blocks) for s in decodes]  # token, position, block table
+            width = max(len(s.blocks) for s in decodes)
+            if self.buckets:  # padding rows: token 0 at position 0 in block 0, the pool's never-read pad block
+                rows += [([0], [0], [])] * (bucket(len(rows), self.config.max_running) - len(rows))
+                if self.window is None:  # (a rolling cache's width is bounded by its window already)
+                    width = bucket(max(width, 2), self.max_width)  # >= 2, which Dynamo keeps symbolic (below)
+            tokens = torch.tensor([r[0] for r in rows], device=self.device)  # (B, 1)
+            pos = torch.tensor([r[1] for r in rows], device=self.device)  # (B, 1) per-row positions
+            tables = self._tables([r[2] for r in rows], width)  # (B, N)
+            if self.buckets:  # compile with symbolic sizes at once: a graph for one row, one for more, not one per
+                for t, dim in ((tokens, 0), (pos, 0), (tables, 0), (tables, 1)):  # size that changed (a size of 1
+                    torch._dynamo.maybe_mark_dynamic(t, dim)  # is specialized whatever is marked)
             try:
-                logits = self.decode_step(tokens, pos, self._cache(decodes))  # (B, V)
+                logits = self.decode_step(tokens, pos, self._cache(tables))  # (B, V)
+                if self.decode_step.mode == "full":
+                    logits = logits[:len(decodes)].clone()  # a CUDA graph's replay reuses its output buffer
             except Exception as e:
                 for seq in decodes:
                     self.outputs.fail(seq, e)
@@ -197,7 +217,8 @@ class Engine:
         tokens = torch.tensor([seq.tokens[start:start + n]], device=self.device)  # (1, n)
         pos = torch.arange(start, start + n, device=self.device)
         try:  # (1, V), or (1, n, V) when scoring
-            logits = self.decode_step(tokens, pos, self._cache([seq]), all_logits=scoring)
+            logits = self.decode_step(tokens, pos, self._cache(self._tables([seq.blocks], len(seq.blocks))),
+                                      all_logits=scoring)
         except Exception as e:
             self.outputs.fail(seq, e)
             return None
@@ -207,10 +228,12 @@ class Engine:
         self.blocks.computed(seq, n)
         return logits if seq.n_computed == len(seq.tokens) else None  # the prompt (or a preempted one's tokens)
 
-    def _cache(self, seqs: list[Choice]) -> PagedKVCache:
-        """The pool as these rows see it: their block tables (B, N), padded with block 0."""
-        width = max(len(s.blocks) for s in seqs)
-        tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], device=self.device)
+    def _tables(self, tables: list[list[int]], width: int) -> torch.Tensor:
+        """The rows' block tables as one (B, width) tensor, padded with block 0."""
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
+
+    def _cache(self, tables: torch.Tensor) -> PagedKVCache:
+        """The pool as rows with these block tables (B, N) see it."""
         if self.window is not None:  # a rolling cache over the rows' blocks (sinks.py)
             return SinkKVCache.paged(self.model, self.pool, tables, self.window)
         return PagedKVCache(self.pool, tables)

@@ -132,6 +132,8 @@ class BlockPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        for t in (*self.k, *self.v) if self.k[0].is_cuda else ():  # as LayerKVCache's: a CUDA graph reads it in place
+            torch._dynamo.mark_static_address(t)
 
     @classmethod
     def for_model(cls, args, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -158,8 +160,13 @@ class PagedKVCache:
     position j of that row and the model's position mask works unchanged; S = N x block_size."""
 
     def __init__(self, pool: BlockPool, block_tables: torch.Tensor):
-        self.max_seq_len = block_tables.shape[1] * pool.block_size
+        self.tables, self.block_size = block_tables, pool.block_size
         self.layers = [PagedLayer(k, v, block_tables, pool.block_size) for k, v in zip(pool.k, pool.v)]
+
+    @property
+    def max_seq_len(self) -> int:
+        """S, read off the tables' shape where a compiled step sees it: symbolic there, not an int it would guard."""
+        return self.tables.shape[1] * self.block_size
 
     positions = KVCache.positions
 

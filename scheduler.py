@@ -38,6 +38,10 @@ class EngineConfig:
     static_batching: bool = False  # admit only into an empty running set: the old way, for comparison
     cache_window: int | None = None  # a rolling cache of this many slots per sequence (sinks.py); None: all of it
     sink_tokens: int = 4  # with cache_window: the opening positions it keeps
+    # Pad each decode batch to a power-of-two row count (at most max_running) and block-table width, so that a
+    # compiled step sees few shapes: with CUDA graphs, one graph is captured per bucket and replayed. None: when
+    # the step runs CUDA graphs (compiled "full" on a GPU).
+    bucket_batches: bool | None = None
 
     def max_len(self, context: int) -> int:
         """The positions a sequence may fill: the model's context; unbounded through a rolling cache."""

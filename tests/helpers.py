@@ -1,5 +1,6 @@
 """Plain helpers shared by the test files (fixtures are in conftest.py): the repository root, running a script
-in a fresh Python process, its peak memory, and a toy tokenizer whose text shows every token."""
+in a fresh Python process, its peak memory, a toy tokenizer whose text shows every token and a toy byte-level BPE
+one for grammars."""
 import os
 import subprocess
 import sys
@@ -54,3 +55,21 @@ def complete_greedy(model, tokenizer, prompt: list[int], max_new_tokens: int, *,
     prefilled = len(prompt) - (session.reusable(prompt) if session is not None else 0)
     tokens = generate(model, prompt, max_new_tokens=max_new_tokens, stop_ids=tokenizer.eos_ids, session=session)
     return complete(tokens, tokenizer, len(prompt), prefilled, stop=stop, on_text=on_text)
+
+
+def byte_level_char(b: int) -> str:
+    from grammar import byte_level_table
+
+    return {v: k for k, v in byte_level_table().items()}[b]
+
+
+def toy_bpe():
+    """A byte-level BPE tokenizer of printable ASCII and a few merges (103 ids), EOS id 0, as a GGUF embeds one."""
+    from tokenizer import tokenizer_from_gguf_metadata
+
+    chars = [byte_level_char(b) for b in range(32, 127)]
+    merges = ['{ "', '" :', "Ġ \"", '" ,', "t r", "tr u", "tru e", "1 2"]
+    tokens = ["<|end|>", *chars, *(m.replace(" ", "") for m in merges)]
+    return tokenizer_from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+                                         "tokenizer.ggml.merges": merges, "tokenizer.ggml.eos_token_id": 0,
+                                         "tokenizer.ggml.token_type": [3] + [1] * (len(tokens) - 1)})

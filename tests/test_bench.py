@@ -1,6 +1,7 @@
 """bench.py: the capacity-plan arithmetic and a benchmark run end to end on a tiny model."""
 import json
 
+import pytest
 import torch
 
 import bench
@@ -43,10 +44,40 @@ def test_benchmark_table_and_json(tiny_dir, tmp_path, capsys):
     assert r["tpot_ms"] > 0 and r["decode_tok_s"] > 0 and r["weight_bytes"] > 0
 
 
+def test_engine_benchmark_and_the_table_of_runs(tiny_dir, tmp_path, capsys):
+    """--engine: each batch size decoded together by the serving engine, the step time beside the 1-row step's;
+    --table: the --json files of several runs as one table, each decode speed beside the float weights' run."""
+    engine_json, float_json, int8_json = (tmp_path / f"{n}.json" for n in ("engine", "float", "int8"))
+    common = ["--model", tiny_dir, "--dtype", "float32", "--runs", "1", "--new-tokens", "5", "--prompt-len", "6",
+              "--compile", "none", "--quiet"]
+    assert bench.main([*common, "--engine", "--batch-size", "1", "3", "--json", str(engine_json)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("engine: ") and "step / 1-row step" in out
+    result = json.loads(engine_json.read_text())
+    assert result["engine"] and [r["batch_size"] for r in result["results"]] == [1, 3]
+    one, three = result["results"]
+    assert one["step_vs_1"] == 1 and three["step_vs_1"] == three["tpot_ms"] / one["tpot_ms"]
+    assert three["decode_tok_s"] == pytest.approx(3e3 / three["tpot_ms"])
+    assert three["kv_bytes_total"] == 768 * 3 * (6 + 5)  # as test_benchmark_table_and_json's model
+    assert bench.main([*common, "--json", str(float_json)]) == 0
+    assert bench.main([*common, "--quantize", "int8", "--json", str(int8_json)]) == 0
+    capsys.readouterr()
+    assert bench.main(["--table", str(engine_json), str(float_json), str(int8_json)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {(cells[0], cells[5]): cells for cells in (line.split(" | ") for line in lines[1:4])}
+    assert set(rows) == {("engine", "1"), ("engine", "3"), ("float", "1")} and lines[4].startswith("int8 | ")
+    int8, base = lines[4].split(" | "), json.loads(float_json.read_text())["results"][0]
+    assert int8[2] == "int8" and int8[4] == "generate"
+    assert int8[11] == f"{json.loads(int8_json.read_text())['results'][0]['decode_tok_s'] / base['decode_tok_s']:.2f}x"
+    assert lines[-1].startswith("int8: cpu torch.float32, measured ")
+
+
 def test_bad_arguments(cli_error):
     assert "--plan needs --shape" in cli_error(bench.main, ["--plan"])
     assert "--new-tokens must be >= 2" in cli_error(bench.main, ["--shape", "llama-2-7b", "--new-tokens", "1"])
     assert "--prompt-len must be >= 1" in cli_error(bench.main, ["--shape", "llama-2-7b", "--prompt-len", "0"])
+    assert "--engine takes one --prompt-len" in cli_error(bench.main, ["--engine", "--prompt-len", "8", "16"])
+    assert "--table: cannot read 'missing.json'" in cli_error(bench.main, ["--table", "missing.json"])
 
 
 def test_mixtral_counts_and_plan(capsys):

@@ -1,7 +1,10 @@
 """The CUDA paths: the int8/int4 kernels (tinygemm for int4) against their dequantize-then-matmul reference,
-CUDA logits against CPU ones, and the CUDA-graph compiled decode step (reduce-overhead) against eager.
-They need a GPU, so CI (CPU only) skips them; the GPU check runs them (see README, Benchmarks)."""
+CUDA logits against CPU ones, the CUDA-graph compiled decode step (reduce-overhead, its guard filter) and the
+compiled blocks against eager, Mixtral, grammar masks on GPU logits, and the serving engine over its paged cache,
+eager and with CUDA graphs per batch bucket. They need a GPU, so CI (CPU only) skips them; the GPU check runs them
+(see README, Benchmarks)."""
 import copy
+import re
 
 import pytest
 import torch
@@ -9,6 +12,9 @@ import torch.nn.functional as F
 
 import qkernels
 import quantize as q
+from engine import Engine, EngineConfig
+from grammar import Compiler, Constraint, mask_logits
+from helpers import ToyTokenizer, toy_bpe
 from step import Step
 from kvcache import KVCache
 from tiny_models import greedy_ids
@@ -132,3 +138,52 @@ def test_cuda_mixtral_matches_cpu(mode):
     quantized = q.quantize_model(cuda, mode)
     got = quantized(tokens.to(CUDA), torch.arange(40, device=CUDA), all_logits=True)
     assert rel_err(got.cpu(), ref) < (0.05 if mode == "int8" else 0.5)
+
+
+def test_cuda_blocks_decode_matches_eager(models):
+    """The blocks mode (one compiled Block.forward for every layer) on CUDA == eager over 24 greedy steps."""
+    import torch._dynamo
+
+    model = models[1]
+    torch._dynamo.reset()
+    prompt = [7, 8, 9, 10]
+    tokens = greedy_ids(model, prompt, 23)
+    eager = forced_logits(Step(model), prompt, tokens)
+    assert (forced_logits(Step(model, "blocks"), prompt, tokens) - eager).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_cuda_engine_matches_cpu_single_runs(models, mode):
+    """The engine on CUDA: continuous batching with chunked prefill over the paged cache, its decode batches eager or
+    replayed as CUDA graphs, one per bucket of padded rows and block-table widths: the tokens of CPU single runs,
+    with two graphs compiled (one row, and the rest with symbolic sizes)."""
+    import torch._dynamo
+
+    cpu, cuda = models
+    prompts = [[5, 17, 42], [7, 8, 9, 10, 11], [3] * 20, [1, 2, 3, 4, 5, 6, 7], [9, 9], list(range(1, 40))]
+    expected = [greedy_ids(cpu, p, 12) for p in prompts]
+    config = EngineConfig(block_size=4, num_blocks=100, max_running=8, token_budget=24)
+    engine = Engine(cuda, ToyTokenizer(), config, Step(cuda, mode))
+    assert engine.buckets == (mode == "full") and engine.pool.k[0].is_cuda
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for _ in range(2):  # the second round replays the captured graphs (and hits the prefix cache)
+        assert [c.tokens for c in engine.generate(prompts, max_new_tokens=12)] == expected
+    if mode == "full":
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_cuda_grammar_masks_gpu_logits(models):
+    """Structured output on CUDA: the bitmask built on CPU masks GPU logits exactly as CPU ones, and the engine on
+    CUDA constrained by a regex gives CPU's tokens, whose text matches it."""
+    cpu, cuda = models
+    toy = toy_bpe()
+    grammar = Compiler(toy, cpu.args.vocab_size).compile(Constraint("regex", "[a-z]{2,5}-[0-9]{2,3}"))
+    logits = torch.randn(2, cpu.args.vocab_size)
+    matchers = [grammar.matcher(), None]
+    assert torch.equal(mask_logits(logits.to(CUDA), matchers).cpu(), mask_logits(logits, matchers))
+    prompts = [toy.encode("ab", bos=False), toy.encode("code:", bos=False)]
+    config = EngineConfig(block_size=4, num_blocks=100, max_running=4, token_budget=24)
+    got = [Engine(m, toy, config).generate(prompts, max_new_tokens=10, grammar=grammar) for m in (cpu, cuda)]
+    assert [c.tokens for c in got[1]] == [c.tokens for c in got[0]]
+    assert all(re.fullmatch("[a-z]{2,5}-[0-9]{2,3}", c.text) for c in got[1])

@@ -40,6 +40,8 @@ CONFIGS = {
     "preemption": EngineConfig(block_size=4, num_blocks=30, max_running=16, token_budget=24),
     "static-batching": EngineConfig(block_size=8, num_blocks=100, max_running=4, token_budget=64,
                                     static_batching=True),
+    # decode batches padded to 1, 2, 4, 8 or 12 rows and power-of-two block-table widths (as for CUDA graphs)
+    "buckets": EngineConfig(block_size=4, num_blocks=200, max_running=12, token_budget=24, bucket_batches=True),
 }
 
 
@@ -61,6 +63,40 @@ def test_concurrent_greedy_equals_single_runs(model, name):
     if name == "roomy":
         assert got[11].prefilled < len(prompts[11])  # prefix hit: fewer prompt tokens computed
         assert max(c.prefilled for c in got) < 10  # second round: (almost) every prompt from the cache
+
+
+def test_bucket_pads_to_powers_of_two_up_to_the_cap():
+    from engine import bucket
+
+    assert [bucket(n, 12) for n in (1, 2, 3, 4, 5, 8, 9, 12)] == [1, 2, 4, 4, 8, 8, 12, 12]
+
+
+def test_a_compiled_step_on_buckets_matches_eager_and_compiles_twice(model, monkeypatch):
+    """The engine as it runs CUDA graphs, on CPU: a "full" compiled decode step over padded batches. Batches of 1 to 7
+    rows run 1, 2, 4 or 8 (padded) rows and the tokens are eager's; Dynamo compiles the one-token graph twice (one
+    row, and every other bucket and block-table width with symbolic sizes), however many buckets the batches fill."""
+    import torch._dynamo
+
+    prompts = random_prompts([3, 17, 40, 9, 33, 5, 21])
+    expected = [greedy_ids(model, p, 12) for p in prompts]
+    shapes = []  # (rows, block-table width) of each compiled call
+    step = Step(model, "full")
+    original = step.one
+
+    def recorded(model, tokens, input_pos, cache, *rest):
+        shapes.append(tuple(cache.tables.shape))
+        return original(model, tokens, input_pos, cache, *rest)
+
+    monkeypatch.setattr(step, "one", recorded)
+    config = EngineConfig(block_size=4, num_blocks=200, max_running=8, token_budget=24, bucket_batches=True)
+    engine = Engine(model, ToyTokenizer(), config, step)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert [c.tokens for c in engine.generate(prompts, max_new_tokens=12)] == expected
+    rows, widths = {b for b, _ in shapes}, {n for _, n in shapes}
+    assert rows <= {1, 2, 4, 8} and {1, 8} <= rows  # every batch padded to a bucket (7 rows: 8)
+    assert widths <= {2, 4, 8, 16} and len(widths) >= 2  # a batch's longest table: up to 13 blocks (40 + 12)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 def test_prefix_hit_verifies_tokens(model):

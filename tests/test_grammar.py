@@ -12,6 +12,7 @@ import torch
 from decode import generate, generate_batch
 from engine import Engine, EngineConfig, Request
 from grammar import Compiler, Constraint, check_constraint, mask_logits, token_bytes
+from helpers import toy_bpe
 from sample import SamplingParams
 from text import complete, complete_batch
 from tokenizer import tokenizer_from_gguf_metadata
@@ -39,21 +40,10 @@ factor: /[0-9]/ | "(" expr ")"
 '''
 
 
-def byte_level_char(b: int) -> str:
-    from grammar import byte_level_table
-
-    return {v: k for k, v in byte_level_table().items()}[b]
-
-
 @pytest.fixture(scope="module")
 def toy():
-    """A byte-level BPE tokenizer of printable ASCII and a few merges (103 ids), EOS id 0, as a GGUF embeds one."""
-    chars = [byte_level_char(b) for b in range(32, 127)]
-    merges = ['{ "', '" :', "Ġ \"", '" ,', "t r", "tr u", "tru e", "1 2"]
-    tokens = ["<|end|>", *chars, *(m.replace(" ", "") for m in merges)]
-    return tokenizer_from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
-                                         "tokenizer.ggml.merges": merges, "tokenizer.ggml.eos_token_id": 0,
-                                         "tokenizer.ggml.token_type": [3] + [1] * (len(tokens) - 1)})
+    """A byte-level BPE tokenizer of printable ASCII and a few merges (103 ids), EOS id 0 (helpers.toy_bpe)."""
+    return toy_bpe()
 
 
 @pytest.fixture(scope="module")

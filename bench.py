@@ -201,6 +201,22 @@ def bench(model, device, batch_size: int, prompt_len: int, new_tokens: int, runs
     }
 
 
+def profile_decode(model, step: Step, prompt_len: int, steps: int, device) -> str:
+    """Where a batch-1 decode step's time goes: torch.profiler over `steps` steps of decode.generate (after its
+    prefill), the ops by their own time on the device (CPU time on a CPU), the top 15."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = torch.randint(0, model.args.vocab_size, (prompt_len,)).tolist()
+    tokens = generate(model, prompt, max_new_tokens=steps + 1, params=SamplingParams(temperature=0), step=step)
+    next(tokens)  # the prefill, not profiled
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        n = sum(1 for _ in tokens)
+        sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return f"profile of {n} decode steps (batch 1):\n" + prof.key_averages().table(sort_by=key, row_limit=15)
+
+
 @torch.inference_mode()
 def mask_cost(grammar, vocab_size: int, batch_size: int, steps: int, device) -> dict:
     """Seconds per decode step that structured output adds: the masks of batch_size rows (sample.sample_tokens: one
@@ -413,6 +429,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also measure what masking logits with this JSON Schema adds to each decode step")
     p.add_argument("--llama-bench", default=None, metavar="BINARY",
                    help="also run llama.cpp's llama-bench on the same GGUF file and threads, and print the ratios")
+    p.add_argument("--profile", action="store_true", help="also profile batch-1 decode steps (torch.profiler) and "
+                   "print the ops that take the most time")
     p.add_argument("--engine", action="store_true", help="run the serving engine (engine.py) instead of "
                    "decode.generate: each --batch-size as that many sequences submitted at once and decoded together")
     p.add_argument("--table", nargs="+", default=None, metavar="JSON",
@@ -499,6 +517,8 @@ def run(args: argparse.Namespace) -> None:
         if step.mode != "none":
             header += f" | compile + first run {rows[0]['compile_s']:.1f} s"
         print_table(rows, header, bandwidth, peak_tflops)
+        if args.profile:
+            print(profile_decode(model, step, args.prompt_len[0], min(args.new_tokens - 1, 16), device))
     if args.llama_bench:
         print_peer(rows, llama_bench(args.llama_bench, path, torch.get_num_threads(), args.prompt_len,
                                      args.new_tokens, args.runs), torch.get_num_threads())

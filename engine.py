@@ -189,9 +189,9 @@ class Engine:
             tokens = torch.tensor([r[0] for r in rows], device=self.device)  # (B, 1)
             pos = torch.tensor([r[1] for r in rows], device=self.device)  # (B, 1) per-row positions
             tables = self._tables([r[2] for r in rows], width)  # (B, N)
-            if self.buckets:  # compile with symbolic sizes at once: a graph for one row, one for more, not one per
-                for t, dim in ((tokens, 0), (pos, 0), (tables, 0), (tables, 1)):  # size that changed (a size of 1
-                    torch._dynamo.maybe_mark_dynamic(t, dim)  # is specialized whatever is marked)
+            if self.buckets:  # symbolic sizes from the first compile: one graph for one row and one for the rest,
+                for t, dim in ((tokens, 0), (pos, 0), (tables, 0), (tables, 1)):  # not a recompile for each size
+                    torch._dynamo.maybe_mark_dynamic(t, dim)  # that changes (a size of 1 is specialized anyway)
             try:
                 logits = self.decode_step(tokens, pos, self._cache(tables))  # (B, V)
                 if self.decode_step.mode == "full":

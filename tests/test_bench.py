@@ -33,9 +33,11 @@ def test_plan_mistral_7b_gqa(capsys):
 def test_benchmark_table_and_json(tiny_dir, tmp_path, capsys):
     out_file = tmp_path / "result.json"
     assert bench.main(["--model", tiny_dir, "--dtype", "float32", "--runs", "2", "--new-tokens", "6",
-                       "--prompt-len", "5", "9", "--json", str(out_file), "--quiet"]) == 0
+                       "--prompt-len", "5", "9", "--json", str(out_file), "--quiet", "--profile"]) == 0
     out = capsys.readouterr().out
     assert "measured memory bandwidth" in out and "% roofline" in out
+    profile = out[out.index("profile of 5 decode steps (batch 1):"):]  # --profile: the top ops by their own time
+    assert "aten::mm" in profile or "aten::linear" in profile
     result = json.loads(out_file.read_text())
     assert [r["prompt_len"] for r in result["results"]] == [5, 9]
     r = result["results"][0]

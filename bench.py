@@ -339,8 +339,8 @@ def print_table(rows: list[dict], header: str, bandwidth: float, peak_tflops: fl
 
 def print_summary(paths: list[str]) -> None:
     """The --json files of several runs (gpu_check.sh's) as one table: a row per result, its decode speed beside the
-    float weights' at the same model, compile mode, loop, batch and prompt ("vs float"), against each run's own
-    measured bandwidth and matmul peak."""
+    float weights' at the same model, compile mode, loop, batch and prompt ("vs float"), an engine step beside its
+    1-row step, against each run's own measured bandwidth and matmul peak."""
     runs = []
     for path in paths:
         try:
@@ -354,16 +354,17 @@ def print_summary(paths: list[str]) -> None:
     float_tok_s = {key(run, r): r["decode_tok_s"] for _, run in runs if run.get("weights") == "float"
                    for r in run["results"]}
     print("run | model | weights | step | loop | batch | prompt | TTFT ms | % matmul peak | TPOT ms | decode tok/s | "
-          "vs float | GB/s | % bandwidth")
+          "vs float | step / 1-row step | GB/s | % bandwidth")
     for label, run in runs:
         loop = "engine" if run.get("engine") else "generate"
         for r in run["results"]:
             base = float_tok_s.get(key(run, r))
             peak = f"{r['prefill_peak_pct']:.0f}%" if "prefill_peak_pct" in r else ""
             ratio = "" if base is None else f"{r['decode_tok_s'] / base:.2f}x"
+            vs_one = "" if r.get("step_vs_1") is None else f"{r['step_vs_1']:.2f}x"  # an engine run's
             print(f"{label} | {run['model']} | {run.get('weights', '?')} | {run['compile']} | {loop} | "
                   f"{r['batch_size']} | {r['prompt_len']} | {r['ttft_ms']:.1f} | {peak} | {r['tpot_ms']:.2f} | "
-                  f"{r['decode_tok_s']:.1f} | {ratio} | "
+                  f"{r['decode_tok_s']:.1f} | {ratio} | {vs_one} | "
                   f"{r['achieved_gb_s']:.0f} | {r['roofline_pct']:.0f}%")
     for label, run in runs:
         print(f"{label}: {run['device']} {run['dtype']}, measured {run['bandwidth_gb_s']:.0f} GB/s and "

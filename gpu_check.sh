@@ -6,10 +6,29 @@
 # per batch bucket). It ends with one table of every run (bench.py --table). Each step has its own time limit,
 # so one slow step cannot take the rest with it; the limits add up to under the device's 10-minute call.
 #   bash gpu_check.sh [OUT_DIR]      (needs a CUDA GPU with ~40 GB free; about 8 minutes on an H200)
+#   bash gpu_check.sh --wheels       (first, on a machine where pip reaches the registry: into .whl/, git-ignored,
+#                                     the packages a GPU machine's image may lack; carry .whl to it and this
+#                                     script installs them there)
 set -u
+if [ "${1:-}" = "--wheels" ]; then  # gguf (pure Python) and llguidance (abi3), the versions installed here
+    rm -rf .whl && mkdir .whl
+    platforms=$(for n in 17 27 28 31 34 35 39; do printf -- "--platform manylinux_2_%s_x86_64 " "$n"; done)
+    for pkg in gguf llguidance; do
+        version=$(python3 -c "import importlib.metadata as m; print(m.version('$pkg'))") || exit 1
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            $platforms -d .whl "$pkg==$version" || exit 1
+    done
+    ls .whl
+    exit 0
+fi
 out=${1:-gpu_check_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
+if [ -d .whl ]; then  # carried from `bash gpu_check.sh --wheels`
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import gguf, llguidance" || echo "== missing packages: run 'bash gpu_check.sh --wheels' where pip works and carry .whl"
 step() {
     local limit=$1; shift
     echo "== $* (limit ${limit} s)"

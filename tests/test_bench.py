@@ -71,6 +71,7 @@ def test_engine_benchmark_and_the_table_of_runs(tiny_dir, tmp_path, capsys):
     int8, base = lines[4].split(" | "), json.loads(float_json.read_text())["results"][0]
     assert int8[2] == "int8" and int8[4] == "generate"
     assert int8[11] == f"{json.loads(int8_json.read_text())['results'][0]['decode_tok_s'] / base['decode_tok_s']:.2f}x"
+    assert rows["engine", "3"][12] == f"{three['step_vs_1']:.2f}x" and int8[12] == ""
     assert lines[-1].startswith("int8: cpu torch.float32, measured ")
 
 

@@ -348,6 +348,7 @@ def print_summary(paths: list[str]) -> None:
                 runs.append((os.path.basename(path).removesuffix(".json"), json.load(f)))
         except (OSError, ValueError) as e:
             raise ValueError(f"--table: cannot read {path!r}: {e}") from None
+
     def key(run: dict, r: dict) -> tuple:
         return run["model"], run["compile"], run.get("engine", False), r["batch_size"], r["prompt_len"]
 
@@ -456,6 +457,20 @@ def model_under_test(args: argparse.Namespace, device: torch.device,
     return model, os.path.basename(path.rstrip("/")), path
 
 
+def add_mask_costs(rows: list[dict], args: argparse.Namespace, model, path: str | None, device) -> None:
+    """--json-schema: each row's mask_ms and mask_per_row_ms (mask_cost) for the schema over the model's vocabulary."""
+    from grammar import Compiler, Constraint, json_schema_arg
+    from tokenizer import load_tokenizer
+
+    if args.shape:
+        raise ValueError("--json-schema needs a tokenizer: pass --model, not --shape")
+    compiler = Compiler(load_tokenizer(path), model.args.vocab_size)
+    grammar = compiler.compile(Constraint("json_schema", json_schema_arg(args.json_schema)))
+    for r in rows:
+        cost = mask_cost(grammar, model.args.vocab_size, r["batch_size"], args.new_tokens * args.runs, device)
+        r["mask_ms"], r["mask_per_row_ms"] = cost["batched"] * 1e3, cost["per_row"] * 1e3
+
+
 def run(args: argparse.Namespace) -> None:
     for name, values in [("--batch-size", args.batch_size), ("--prompt-len", args.prompt_len),
                          ("--runs", [args.runs])]:
@@ -466,8 +481,10 @@ def run(args: argparse.Namespace) -> None:
     if args.llama_bench and (args.shape or args.plan):
         raise ValueError("--llama-bench runs llama.cpp on the same GGUF file: pass --model (or its default), not "
                          "--shape or --plan")
-    if args.engine and (len(args.prompt_len) > 1 or args.llama_bench or args.json_schema or args.deterministic):
-        raise ValueError("--engine takes one --prompt-len, and not --llama-bench, --json-schema or --deterministic")
+    if args.engine and (len(args.prompt_len) > 1 or args.llama_bench or args.json_schema or args.deterministic
+                        or args.profile):
+        raise ValueError("--engine takes one --prompt-len, and not --llama-bench, --json-schema, --deterministic or "
+                         "--profile")
     if args.table:
         print_summary(args.table)
         return
@@ -503,18 +520,8 @@ def run(args: argparse.Namespace) -> None:
     else:
         rows = [bench(model, device, b, p, args.new_tokens, args.runs, step, bandwidth, peak_tflops)
                 for b in args.batch_size for p in args.prompt_len]
-    if args.json_schema is not None:
-        from grammar import Compiler, Constraint, json_schema_arg
-        from tokenizer import load_tokenizer
-
-        if args.shape:
-            raise ValueError("--json-schema needs a tokenizer: pass --model, not --shape")
-        compiler = Compiler(load_tokenizer(path), model.args.vocab_size)
-        grammar = compiler.compile(Constraint("json_schema", json_schema_arg(args.json_schema)))
-        for r in rows:
-            cost = mask_cost(grammar, model.args.vocab_size, r["batch_size"], args.new_tokens * args.runs, device)
-            r["mask_ms"], r["mask_per_row_ms"] = cost["batched"] * 1e3, cost["per_row"] * 1e3
-    if not args.engine:
+        if args.json_schema is not None:
+            add_mask_costs(rows, args, model, path, device)
         if step.mode != "none":
             header += f" | compile + first run {rows[0]['compile_s']:.1f} s"
         print_table(rows, header, bandwidth, peak_tflops)

@@ -87,8 +87,7 @@ class Engine:
         self.decode_step = check_step(step, model)  # eager, or compiled (step.Step)
         weight = model.embed_tokens.weight
         self.device = weight.device
-        graphs = self.decode_step.mode == "full" and self.device.type == "cuda"  # CUDA graphs (step.compile_full)
-        self.buckets = graphs if config.bucket_batches is None else config.bucket_batches
+        self.buckets = self.decode_step.cuda_graphs if config.bucket_batches is None else config.bucket_batches
         self.max_width = -(-model.args.max_seq_len // config.block_size)  # blocks a sequence holds at most
         self.pool = BlockPool.for_model(model.args, config.num_blocks, config.block_size, weight.dtype, self.device)
         self.blocks = BlockManager(self.pool, config.prefix_caching, config.cache_window, config.sink_tokens)
@@ -194,8 +193,8 @@ class Engine:
                     torch._dynamo.maybe_mark_dynamic(t, dim)  # that changes (a size of 1 is specialized anyway)
             try:
                 logits = self.decode_step(tokens, pos, self._cache(tables))  # (B, V)
-                if self.decode_step.mode == "full":
-                    logits = logits[:len(decodes)].clone()  # a CUDA graph's replay reuses its output buffer
+                if self.decode_step.cuda_graphs:
+                    logits = logits[:len(decodes)].clone()  # the next replay reuses this output buffer
             except Exception as e:
                 for seq in decodes:
                     self.outputs.fail(seq, e)

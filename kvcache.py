@@ -15,6 +15,15 @@ import torch
 KV_DTYPES = ("model", "int8")
 
 
+def mark_static(*buffers: torch.Tensor) -> None:
+    """Cache buffers never move, so a compiled step (CUDA graphs) can treat them as static and update them in place
+    instead of copying them each replay. Only CUDA graphs need it, and it imports torch._dynamo (2 s) where an eager
+    CPU run would not."""
+    for t in buffers:
+        if t.is_cuda:
+            torch._dynamo.mark_static_address(t)
+
+
 class LayerKVCache:
     """One layer's keys and values, (B, K, S, D) each."""
 
@@ -22,11 +31,7 @@ class LayerKVCache:
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # The buffers never move, so a compiled step (CUDA graphs) can treat them as static. Only CUDA graphs need
-        # it, and it imports torch._dynamo (2 s) where an eager CPU run would not.
-        if self.k.is_cuda:
-            torch._dynamo.mark_static_address(self.k)
-            torch._dynamo.mark_static_address(self.v)
+        mark_static(self.k, self.v)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, K, T, D) at positions input_pos, (T,) or per row (B, T);
@@ -54,8 +59,7 @@ class Int8LayerKVCache:
         self.v = torch.zeros(shape, dtype=torch.int8, device=device)
         self.k_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32, device=device)
         self.v_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32, device=device)
-        for t in (self.k, self.v, self.k_scale, self.v_scale) if self.k.is_cuda else ():  # as LayerKVCache's
-            torch._dynamo.mark_static_address(t)
+        mark_static(self.k, self.v, self.k_scale, self.v_scale)
 
     @staticmethod
     def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,8 +136,7 @@ class BlockPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        for t in (*self.k, *self.v) if self.k[0].is_cuda else ():  # as LayerKVCache's: a CUDA graph reads it in place
-            torch._dynamo.mark_static_address(t)
+        mark_static(*self.k, *self.v)
 
     @classmethod
     def for_model(cls, args, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -173,6 +173,12 @@ class Step:
         if self.mode == "full":
             self.one, self.many = self.compile_full(options, compile_prefill)
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the one-token step replays CUDA graphs ("full" on a GPU): its output buffer is reused by the next
+        replay, and every new input shape records another graph."""
+        return self.mode == "full" and self.model.embed_tokens.weight.device.type == "cuda"
+
     def account(self, decode_steps: int) -> bool:
         """An open-ended caller's (a chat's) count after each answer: with pay_as_you_go, auto runs eagerly until the
         decode steps run reach COMPILE_PAYS_AFTER, when eager's overhead has cost about what the compile will, and
@@ -192,7 +198,7 @@ class Step:
         # guard_filter_fn came with torch 2.8; before it, every guard is checked
         guards = {"guard_filter_fn": skip_module_guards} if hasattr(torch.compiler, "skip_all_guards_unsafe") else {}
         options = {**options, **guards}
-        if self.model.embed_tokens.weight.device.type == "cuda":
+        if self.cuda_graphs:
             int8 = any(isinstance(x, Int8Linear) for x in self.model.modules())
             options.update({"triton.cudagraphs": True, "coordinate_descent_tuning": int8})
         one = torch.compile(own_code(forward_logits), fullgraph=True, options=options)

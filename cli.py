@@ -34,7 +34,7 @@ def weights_cache(value: str | None) -> str | None:
         return None
     if value is not None:
         return os.path.expanduser(value)
-    from weightcache import default_dir
+    from formats.weightcache import default_dir
 
     return default_dir()
 

@@ -15,11 +15,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from grammar import Grammar, Matcher
+from features.grammar import Grammar, Matcher
 from kvcache import KVCache
 from model import Transformer
 from sample import SamplingParams, Token, check_logit_bias, penalty_state, sample_tokens
-from sinks import SinkKVCache, SinkWindow
+from features.sinks import SinkKVCache, SinkWindow
 from step import Step
 
 PAD_ID = 0  # feeds finished batch rows; its keys/values are never attended

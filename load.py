@@ -25,11 +25,11 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-import gguffile
-import hffolder
-import hfquant
-import weightcache
-from checkpoint import Filler, check_tensors, checkpoint_shapes, checkpoint_state
+from formats import gguffile
+from formats import hffolder
+from formats import hfquant
+from formats import weightcache
+from formats.checkpoint import Filler, check_tensors, checkpoint_shapes, checkpoint_state
 from config import ModelArgs
 from model import Transformer
 from quantize import Int4Linear, Int8GroupLinear, make_quantized_linear, mode_name, parse_mode, swap_linears

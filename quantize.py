@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import gemv
-from qkernels import (KERNEL_DTYPE, ROW_BLOCK, int4_kernel, int4_mm, int8_kernel, layout_codes, pack_int4, to_layout,
+from ops import gemv
+from ops.qkernels import (KERNEL_DTYPE, ROW_BLOCK, int4_kernel, int4_mm, int8_kernel, layout_codes, pack_int4, to_layout,
                      unpack_int4)
 from model import Parts
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grammar import Matcher, advance, mask_logits
+from features.grammar import Matcher, advance, mask_logits
 from model import Transformer
 
 

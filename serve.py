@@ -57,17 +57,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from answer import Answer
+from serving.answer import Answer
 from cli import (DTYPES, THREADS_HELP, WEIGHTS_CACHE_HELP, default_model, pick_device, pick_dtype, run_cli, set_threads,
                  weights_cache)
-from engine import Engine, EngineConfig, Event, QueueFull, Request
-from gate import (BACKLOG, LOCAL_HOSTS, Connections, Gate, GuardedH11Protocol, QuietLoopErrors, ServeConfig, error,
+from serving.engine import Engine, EngineConfig, Event, QueueFull, Request
+from serving.gate import (BACKLOG, LOCAL_HOSTS, Connections, Gate, GuardedH11Protocol, QuietLoopErrors, ServeConfig, error,
                   use_file_descriptors)
-from grammar import Compiler, Constraint, Grammar
-from protocol import BadRequest, error_body, longest_token, parse_body, parse_detokenize, parse_json, parse_tokenize
-from sinks import SinkWindow
+from features.grammar import Compiler, Constraint, Grammar
+from serving.protocol import BadRequest, error_body, longest_token, parse_body, parse_detokenize, parse_json, parse_tokenize
+from features.sinks import SinkWindow
 from step import COMPILE_HELP, COMPILE_MODES, DETERMINISTIC_HELP, Step, check_deterministic
-from toolcalls import FORMATS
+from features.toolcalls import FORMATS
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)  # seconds

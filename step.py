@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from invariant import BatchInvariant
+from ops.invariant import BatchInvariant
 from kvcache import KVCache
 from model import DECODE_QUERIES, Block, Transformer
 from quantize import Int8Linear, compiled_head

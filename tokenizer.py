@@ -11,7 +11,7 @@ import re
 import threading
 from functools import lru_cache
 
-from vocab import NORMAL, byte_level_backend, read_sentencepiece_model, sentencepiece_backend, sentencepiece_pipeline
+from formats.vocab import NORMAL, byte_level_backend, read_sentencepiece_model, sentencepiece_backend, sentencepiece_pipeline
 
 
 def _bytes_to_unicode() -> dict[str, int]:
@@ -191,7 +191,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist; expected a folder with "
                                 "tokenizer.json or tokenizer.model, or a .gguf file")
-    from gguffile import read_gguf
+    from formats.gguffile import read_gguf
 
     try:
         with open(path, "rb") as f:

@@ -94,7 +94,7 @@ def tiny_text_dir(tiny_dir, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def smollm2_int4_dir(smollm2_gguf, tmp_path_factory) -> str:
     """`export.py --mode int4:64 --quantize-head --out DIR` on the GGUF (bf16 scales and embedding)."""
-    import export
+    from scripts import export
 
     out = tmp_path_factory.mktemp("int4") / "ckpt"
     assert export.main(["--model", smollm2_gguf, "--mode", "int4:64", "--quantize-head", "--out", str(out)]) == 0

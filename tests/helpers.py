@@ -58,7 +58,7 @@ def complete_greedy(model, tokenizer, prompt: list[int], max_new_tokens: int, *,
 
 
 def byte_level_char(b: int) -> str:
-    from grammar import byte_level_table
+    from features.grammar import byte_level_table
 
     return {v: k for k, v in byte_level_table().items()}[b]
 

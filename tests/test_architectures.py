@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguffile import GGUF_ARCH_NAMES, GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
+from formats.gguffile import GGUF_ARCH_NAMES, GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
 from kvcache import KVCache
 from load import load_model
 from model import ModelArgs, rope_attention_factor
@@ -55,7 +55,7 @@ def test_quantized_qwen(tmp_path, name, mode):
     """Quantizing at load gives quantize_model's tensors (the biases kept in float, not padded); an exported folder
     loads back to them; the quantized logits equal a float model's holding the dequantized weights and the same
     biases, within the kernels' bf16 rounding."""
-    import export
+    from scripts import export
 
     make_hf(name).save_pretrained(tmp_path / "src")
     floats, _ = load_model(str(tmp_path / "src"), "cpu", torch.float32)
@@ -101,7 +101,7 @@ def test_compiled_blocks_decode_matches_eager(name):
 
 def test_phi3_checkpoint_is_stored_fused():
     """Phi-3's qkv_proj and gate_up_proj are its checkpoint's own tensors, taken as they are."""
-    from checkpoint import checkpoint_shapes
+    from formats.checkpoint import checkpoint_shapes
 
     ours = hf_to_ours(make_hf("phi3-longrope"))
     shapes = checkpoint_shapes(ours)
@@ -206,7 +206,7 @@ def test_gemma3_gguf_layer_pattern(pattern, window, sliding):
 
 
 def test_phi3_refuses_tensor_parallel():
-    from tp import Shard
+    from features.tp import Shard
 
     with pytest.raises(ValueError, match="fused qkv_proj/gate_up_proj"):
         Shard(0, 2).args(hf_to_ours(make_hf("phi3-longrope")).args)

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-import bench
+from scripts import bench
 from model import Transformer
 
 
@@ -123,7 +123,7 @@ def test_a_step_reads_the_embedding_only_as_the_head(tiny):
 
 def test_mask_cost_walks_the_grammar():
     """bench.mask_cost on a toy vocabulary: both modes time every step, and the walk restarts a completed grammar."""
-    from grammar import Compiler, Constraint
+    from features.grammar import Compiler, Constraint
     from tokenizer import tokenizer_from_gguf_metadata
 
     tokens = ["<end>", *"0123456789"]

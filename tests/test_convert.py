@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from decode import generate
-from gguffile import named_tensors, read_gguf
-from checkpoint import checkpoint_state, load_state
+from formats.gguffile import named_tensors, read_gguf
+from formats.checkpoint import checkpoint_state, load_state
 from load import load_model
 from model import Transformer
 from tiny_models import SEQ_LEN, make_hf

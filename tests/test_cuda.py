@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import qkernels
+from ops import qkernels
 import quantize as q
-from engine import Engine, EngineConfig
-from grammar import Compiler, Constraint, mask_logits
+from serving.engine import Engine, EngineConfig
+from features.grammar import Compiler, Constraint, mask_logits
 from helpers import ToyTokenizer, toy_bpe
 from step import Step
 from kvcache import KVCache

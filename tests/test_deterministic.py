@@ -13,10 +13,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import generate
-import invariant
+from ops import invariant
 from cli import native_bf16
 from decode import new_cache
-from engine import Engine, EngineConfig, Request
+from serving.engine import Engine, EngineConfig, Request
 from helpers import ToyTokenizer
 from model import decode_attention
 from quantize import make_quantized_linear, parse_mode

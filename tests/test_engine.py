@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
-import choices as choices_module
+from serving import choices as choices_module
 import decode
-import scheduler
+from serving import scheduler
 from step import Step
-from engine import Engine, EngineConfig, QueueFull, Request
+from serving.engine import Engine, EngineConfig, QueueFull, Request
 from helpers import ROOT, ToyTokenizer
 from sample import SamplingParams
 from tiny_models import greedy_ids
@@ -66,7 +66,7 @@ def test_concurrent_greedy_equals_single_runs(model, name):
 
 
 def test_bucket_pads_to_powers_of_two_up_to_the_cap():
-    from engine import bucket
+    from serving.engine import bucket
 
     assert [bucket(n, 12) for n in (1, 2, 3, 4, 5, 8, 9, 12)] == [1, 2, 4, 4, 8, 8, 12, 12]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import export
-from hffolder import read_quantization
+from scripts import export
+from formats.hffolder import read_quantization
 from load import load_model
 from model import ModelArgs
 from quantize import quantization_of

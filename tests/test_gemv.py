@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gemv
-import qkernels
+from ops import gemv
+from ops import qkernels
 import quantize as q
 from test_quantize import quantized_linear
 from tiny_models import hf_to_ours, make_hf

@@ -605,7 +605,7 @@ def configured_folder(tiny_text_dir, tmp_path):
 def test_generation_config_sets_the_sampling_defaults(capsys, cli_error, configured_folder, smollm2_gguf):
     """A Hugging Face folder's generation_config.json gives the defaults of the sampling flags not given; the flags
     given win, and the summary line says what came from the file. A GGUF has none."""
-    from hffolder import GENERATION_SAMPLING
+    from formats.hffolder import GENERATION_SAMPLING
 
     assert set(generate.SAMPLING_DEFAULTS) == set(GENERATION_SAMPLING)
     folder = configured_folder({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": 2})

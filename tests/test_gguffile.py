@@ -4,7 +4,7 @@ file; a damaged file is a ValueError, never another exception."""
 import numpy as np
 import pytest
 
-from gguffile import read_gguf
+from formats.gguffile import read_gguf
 
 
 def reference(path: str) -> tuple[dict, list]:

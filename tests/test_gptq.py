@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptq import (awq_fold, awq_scale, gptq_solve, input_stats, int4_params, learn_rounding, learned_int4,
+from features.gptq import (awq_fold, awq_scale, gptq_solve, input_stats, int4_params, learn_rounding, learned_int4,
                   quantize_calibrated, round_column, rtn_weight, sampled_sequences, tune_grid)
 from load import load_model
 from model import RMSNorm
@@ -257,8 +257,8 @@ def test_sampled_sequences(tiny):
 
 
 def test_act_order_checkpoint_reloads_exactly(tiny_dir, tmp_path):
-    from export import save_quantized
-    from hffolder import read_quantization
+    from scripts.export import save_quantized
+    from formats.hffolder import read_quantization
 
     model, _ = load_model(tiny_dir, "cpu", torch.float32, quantize="none")
     gen = torch.Generator().manual_seed(5)
@@ -289,7 +289,7 @@ def test_refusals(tiny):
 def test_export_gptq_act_order_folder(tiny_text_dir, tmp_path):
     """export.py --method gptq --act-order --tune 1 writes a folder that loads with the input orders it was solved
     with and the norms' weights tuned."""
-    import export
+    from scripts import export
 
     out = tmp_path / "gptq"
     assert export.main(["--model", tiny_text_dir, "--mode", "int4:64", "--method", "gptq", "--act-order",
@@ -313,7 +313,7 @@ def test_export_gptq_act_order_folder(tiny_text_dir, tmp_path):
     (["--mode", "int4:32", "--method", "awq", "--tune", "-1"], "--tune -1: must be 0 or more"),
     (["--mode", "int4:32", "--method", "gptq", "--calibration-tokens", "1"], "must be at least 2")])
 def test_export_method_flags_checked_first(tiny_text_dir, tmp_path, cli_error, argv, message):
-    import export
+    from scripts import export
 
     assert message in cli_error(export.main, ["--model", tiny_text_dir, *argv, "--out", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()

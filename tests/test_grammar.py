@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from decode import generate, generate_batch
-from engine import Engine, EngineConfig, Request
-from grammar import Compiler, Constraint, check_constraint, mask_logits, token_bytes
+from serving.engine import Engine, EngineConfig, Request
+from features.grammar import Compiler, Constraint, check_constraint, mask_logits, token_bytes
 from helpers import toy_bpe
 from sample import SamplingParams
 from text import complete, complete_batch

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from hfquant import AWQ_ORDER
+from formats.hfquant import AWQ_ORDER
 from load import load_model
 from quantize import Int4Linear
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 
 import quantize as q
-from checkpoint import checkpoint_modules
-from gguffile import GGUF_BLOCK_NAMES, int4_blocks, read_gguf, unpermute_qk
+from formats.checkpoint import checkpoint_modules
+from formats.gguffile import GGUF_BLOCK_NAMES, int4_blocks, read_gguf, unpermute_qk
 from load import load_model
 from tiny_models import llama_gguf_writer
 
@@ -91,7 +91,7 @@ def test_q4_k_layout_by_hand():
 
 def read_gguf_like(data: np.ndarray, kind: str):
     """A file tensor (what read_gguf returns) holding `data`, (N, bytes per row) of `kind` blocks."""
-    from gguffile import GGUFTensor
+    from formats.gguffile import GGUFTensor
     import gguf
 
     kind = gguf.GGMLQuantizationType[kind]

@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from cli import pick_dtype
 from helpers import PEAK_RSS, run_py
-from gguffile import unpermute_qk
-from hffolder import read_quantization
+from formats.gguffile import unpermute_qk
+from formats.hffolder import read_quantization
 from load import load_model
 from tiny_models import SEQ_LEN, greedy_ids, make_hf
 
@@ -74,7 +74,7 @@ def test_wrong_shape(single_file):
 
 def test_final_check_names_what_was_not_filled(single_file, monkeypatch):
     """Strict loading's last check, against a loader that skips a tensor or fills one twice: the error names it."""
-    import checkpoint
+    from formats import checkpoint
 
     folder, _ = single_file
     put = checkpoint.Filler.put
@@ -232,7 +232,7 @@ def test_fused_projections_split_and_join_back(mode):
     separate q/k/v and gate/up products."""
     import torch.nn.functional as F
 
-    from checkpoint import checkpoint_state, load_state
+    from formats.checkpoint import checkpoint_state, load_state
     from model import ModelArgs, Transformer
     from quantize import quantize_model, swap_linears
 
@@ -275,7 +275,7 @@ def test_fused_rows_not_a_multiple_of_16(tmp_path, mode):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import export
+    from scripts import export
     from quantize import quantize_model
 
     torch.manual_seed(0)
@@ -302,8 +302,8 @@ class WeightRead(BaseException):
 
 def forbid_weight_reads(monkeypatch) -> None:
     """Reading any weight fails the test: the error must come from the checks that run before."""
-    import gguffile
-    import hffolder
+    from formats import gguffile
+    from formats import hffolder
 
     def read(*args, **kwargs):
         raise WeightRead("a weight was read before the error was found")
@@ -346,7 +346,7 @@ def test_float_weight_stored_as_integers(single_file, no_weight_reads, dtype, st
 
 
 def test_quantized_codes_of_the_wrong_dtype(tiny_dir, tmp_path, monkeypatch):
-    import export
+    from scripts import export
     from safetensors import safe_open
 
     out = tmp_path / "int8"
@@ -408,7 +408,7 @@ def test_gguf_tensor_of_a_type_that_cannot_be_dequantized(tmp_path):
     """An I8 matrix (no GGUF converter writes one): named, instead of gguf's NotImplementedError."""
     import numpy as np
 
-    from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
+    from formats.gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
     from tiny_models import llama_gguf_writer
 
     hf = make_hf("llama-gqa")
@@ -433,7 +433,7 @@ def test_gguf_tensor_of_a_type_that_cannot_be_dequantized(tmp_path):
 def test_gguf_bad_alignment(tmp_path):
     import gguf
 
-    from gguffile import read_gguf
+    from formats.gguffile import read_gguf
 
     writer = gguf.GGUFWriter(str(tmp_path / "a.gguf"), "llama")
     writer.add_uint32("general.alignment", 0)

@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 
 import quantize as q
-from checkpoint import checkpoint_modules
+from formats.checkpoint import checkpoint_modules
 from kvcache import KVCache
-from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, unpermute_qk
+from formats.gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES, unpermute_qk
 from load import load_model
 from tiny_models import greedy_ids, make_hf_llama, write_llama_gguf
 
@@ -334,8 +334,8 @@ def test_smollm2_native_vs_exact_float(smollm2_native_and_exact, smollm2_gguf, s
     """Teacher-forced KL(exact float32 || native int4) over 64 tokens of Pride and Prejudice, and top-1
     agreement; split into what the bf16 scale/zero costs (two float models: codes with the file's fp32 d, m vs
     with bf16-rounded ones) and what the kernel's bf16 activations add."""
-    from gguffile import int4_blocks
-    from quality import compare, load_eval_tokens, teacher_forced_logprobs
+    from formats.gguffile import int4_blocks
+    from scripts.quality import compare, load_eval_tokens, teacher_forced_logprobs
     import gguf
 
     from model import Linear
@@ -394,7 +394,7 @@ def test_smollm2_q8_0_head_costs_no_quality(smollm2_gguf, smollm2_tokenizer, dty
     kernel rounds the head's input to bf16 (over 512 tokens 5.1e-4 vs 2.2e-4, top-1 0.986 both): still less than
     the bf16 model costs."""
     from model import Linear
-    from quality import compare, load_eval_tokens, teacher_forced_logprobs
+    from scripts.quality import compare, load_eval_tokens, teacher_forced_logprobs
 
     exact, _ = load_model(smollm2_gguf, "cpu", torch.float32, quantize="none")
     native, _ = load_model(smollm2_gguf, "cpu", dtype)

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 import quantize as q
 from step import Step
-from engine import Engine, EngineConfig
+from serving.engine import Engine, EngineConfig
 from helpers import ToyTokenizer
 from kvcache import KVCache
-from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
+from formats.gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
 from load import load_model
 from model import ModelArgs, MoE, Router
 from tiny_models import SEQ_LEN, greedy_ids, hf_to_ours, llama_cpp_permute, llama_gguf_writer, make_hf
@@ -241,7 +241,7 @@ def test_quantized_kernels_close_to_float(ours, mode):
 
 def test_export_round_trip(hf, ours, tmp_path):
     """A quantized Mixtral written by export.save_quantized loads back with the same modules and logits."""
-    from export import save_quantized
+    from scripts.export import save_quantized
 
     quantized = q.quantize_model(copy.deepcopy(ours), "int8")
     hf_dir = tmp_path / "src"
@@ -294,7 +294,7 @@ def free_port() -> int:
 
 
 def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
-    import tp
+    from features import tp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

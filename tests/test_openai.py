@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from decode import generate
-from engine import Engine, EngineConfig
-from gate import ServeConfig
+from serving.engine import Engine, EngineConfig
+from serving.gate import ServeConfig
 from sample import SamplingParams
 from serve import make_app
 

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from decode import Token
-from engine import Event
-from answer import Answer
-from protocol import MAX_CHOICES, BadRequest, parse_detokenize, parse_json, parse_request, parse_tokenize
+from serving.engine import Event
+from serving.answer import Answer
+from serving.protocol import MAX_CHOICES, BadRequest, parse_detokenize, parse_json, parse_request, parse_tokenize
 
 LIMITS = {"max_len": 512, "max_chars": 10 ** 6}
 HEAD = {"id": "x", "object": "text_completion", "created": 0, "model": "m"}

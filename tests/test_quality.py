@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-import quality
+from scripts import quality
 from quantize import quantize_model
 
 

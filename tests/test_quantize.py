@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import qkernels
+from ops import qkernels
 import quantize as q
 from tiny_models import hf_to_ours, make_hf
 

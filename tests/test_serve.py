@@ -24,10 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-import loadtest
+from scripts import loadtest
 from decode import generate
-from engine import Engine, EngineConfig, Request
-from gate import FD_RESERVE, MAX_HEAD_BYTES, QuietLoopErrors, ServeConfig, use_file_descriptors
+from serving.engine import Engine, EngineConfig, Request
+from serving.gate import FD_RESERVE, MAX_HEAD_BYTES, QuietLoopErrors, ServeConfig, use_file_descriptors
 from serve import API_KEY_ENV, check_flags, engine_config, make_app, parse_args, serve_config
 from text import MAX_STOP_CHARS, MAX_STOP_STRINGS
 

@@ -12,7 +12,7 @@ from decode import Session, generate, generate_batch
 from kvcache import BlockPool, KVCache, LayerKVCache
 from model import apply_rope
 from sample import SamplingParams
-from sinks import SinkKVCache, SinkLayer, SinkWindow, slot_of, slot_positions
+from features.sinks import SinkKVCache, SinkLayer, SinkWindow, slot_of, slot_positions
 from tiny_models import last_logits
 
 
@@ -271,7 +271,7 @@ def test_engine_through_a_window_serves_past_the_context(short):
     the model's context of 48. Each choice is decode.generate with the window (choice i seeded seed + i), no
     sequence ever holds more than the window's blocks, and every block is given back. Prefix caching is refused
     with a window."""
-    from engine import Engine, EngineConfig, Request
+    from serving.engine import Engine, EngineConfig, Request
     from helpers import ToyTokenizer
 
     shape = SinkWindow(4, 32)

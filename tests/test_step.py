@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-import gemv
+from ops import gemv
 from helpers import run_py
 from kvcache import KVCache
 from step import COMPILE_PAYS_AFTER, Step, auto_mode, eager, gemv_backend

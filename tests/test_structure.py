@@ -1,56 +1,134 @@
-"""The project's layering: its import graph (lazy imports included) is a DAG, and library modules import no CLI
-plumbing and take no argparse objects."""
+"""The project's layout: a flat root (the reading path and the two commands), role folders that import one way, an
+import graph (lazy imports included) that is a DAG, and library modules that import no CLI plumbing."""
 import ast
 import os
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENTRY_POINTS = {"generate", "serve", "bench", "export", "quality", "loadtest", "streaming"}  # parse flags, call the library
-CLI = {"cli"}  # what the entry points share
+# Folders, low to high: a module may import from its own folder and the ones before it, never from one after it.
+FOLDERS = ("ops", "formats", "features", "serving", "scripts")
+# The root's modules by role. LIBRARY may import ops/formats/features; the commands also serving; none scripts.
+LIBRARY = {"config", "model", "kvcache", "sample", "tokenizer", "quantize", "load", "step", "decode", "text",
+           "speculative"}
+COMMANDS = {"generate", "serve"}  # what users type: `python generate.py`, `python serve.py`
+CLI = {"cli"}  # what the commands (and scripts/) share: flags' checks, the default model, one error line
+CARD = {"model", "tokenizer", "kvcache", "sample", "speculative", "quantize", "generate"}  # the project's own seven
 
 
-def project_modules() -> dict[str, ast.Module]:
-    return {name[:-3]: ast.parse(open(os.path.join(ROOT, name), encoding="utf-8").read())
-            for name in os.listdir(ROOT) if name.endswith(".py")}
+def module_files() -> dict[str, str]:
+    """Dotted module name -> path, for the root's modules and every folder's."""
+    found = {}
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            found[name[:-3]] = os.path.join(ROOT, name)
+    for folder in FOLDERS:
+        for name in os.listdir(os.path.join(ROOT, folder)):
+            if name.endswith(".py") and name != "__init__.py":
+                found[f"{folder}.{name[:-3]}"] = os.path.join(ROOT, folder, name)
+    return found
 
 
-def imports(tree: ast.Module, names: set[str]) -> set[str]:
-    """Project modules imported anywhere in the module, inside functions too."""
+def imports(path: str, names: set[str]) -> set[str]:
+    """The project modules a file imports anywhere, inside functions too: `import a.b`, `from a.b import c` and
+    `from a import b` (b a module) all name the module they load."""
     found = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
     return found & names
 
 
-def test_import_graph_is_a_dag():
-    modules = project_modules()
-    graph = {m: imports(tree, set(modules)) - {m} for m, tree in modules.items()}
-    order, state = [], {}
+def folder_of(module: str) -> str | None:
+    return module.split(".")[0] if "." in module else None
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    files = module_files()
+    return {m: imports(path, set(files)) - {m} for m, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the graph as a path (its first module repeated at the end), or None for a DAG."""
+    state = {}
 
     def visit(m, path):
         if state.get(m) == "done":
-            return
-        assert state.get(m) != "active", f"import cycle: {' -> '.join(path + [m])}"
+            return None
+        if state.get(m) == "active":
+            return path[path.index(m):] + [m]
         state[m] = "active"
         for n in sorted(graph[m]):
-            visit(n, path + [m])
+            if (cycle := visit(n, path + [m])) is not None:
+                return cycle
         state[m] = "done"
-        order.append(m)
+        return None
 
     for m in sorted(graph):
-        visit(m, [])
-    assert set(order) == set(modules)
+        if (cycle := visit(m, [])) is not None:
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    """The DAG check can fail: a two-module cycle and a three-module one are found, a chain is not."""
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_import_graph_is_a_dag(graph):
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_the_root_is_the_reading_path():
+    """At most 16 modules at the root, the card's seven among them, each with a role here; the rest in folders."""
+    root = {m for m in module_files() if "." not in m}
+    assert len(root) <= 16 and CARD <= root, sorted(root)
+    assert root == LIBRARY | COMMANDS | CLI, f"unclassified root modules: {sorted(root ^ (LIBRARY | COMMANDS | CLI))}"
+    for folder in FOLDERS:
+        assert os.path.exists(os.path.join(ROOT, folder, "__init__.py")), f"{folder}/ is not a package"
+
+
+def test_folders_import_one_way(graph):
+    """A folder's modules import only their own folder, earlier folders and the root; the root's library imports
+    no serving or scripts module, the commands no scripts module."""
+    rank = {folder: i for i, folder in enumerate(FOLDERS)}
+    for m, used in graph.items():
+        for n in used:
+            src, dst = folder_of(m), folder_of(n)
+            if dst is None:
+                continue
+            if src is not None:
+                assert rank[dst] <= rank[src], f"{m} ({src}/) imports {n} ({dst}/, a later folder)"
+            elif m in COMMANDS | CLI:
+                assert dst != "scripts", f"{m}.py imports {n}"
+            else:
+                assert dst in ("ops", "formats", "features"), f"{m}.py (library) imports {n} ({dst}/)"
+
+
+def test_folder_direction_check_can_fail(graph):
+    """The one-way rule catches a folder importing a later one, and the library importing serving."""
+    bad = {**graph, "ops.gemv": graph["ops.gemv"] | {"serving.engine"}}
+    with pytest.raises(AssertionError, match="a later folder"):
+        test_folders_import_one_way(bad)
+    bad = {**graph, "model": graph["model"] | {"serving.engine"}}
+    with pytest.raises(AssertionError, match="library"):
+        test_folders_import_one_way(bad)
 
 
 def test_library_modules_import_no_cli_plumbing():
-    modules = project_modules()
-    for name, tree in modules.items():
-        if name in ENTRY_POINTS | CLI:
+    files = module_files()
+    entry_points = COMMANDS | {m for m in files if folder_of(m) == "scripts"}
+    for name, path in files.items():
+        if name in entry_points | CLI:
             continue
-        used = imports(tree, set(modules) | {"argparse"})
-        assert not used & (ENTRY_POINTS | CLI | {"argparse"}), f"{name}.py imports {used & (ENTRY_POINTS | CLI)}"
-        for node in ast.walk(tree):
+        used = imports(path, set(files) | {"argparse"})
+        assert not used & (entry_points | CLI | {"argparse"}), f"{name} imports {used & (entry_points | CLI)}"
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
             if isinstance(node, ast.arg) and node.annotation is not None:
-                assert "Namespace" not in ast.unparse(node.annotation), f"{name}.py takes an argparse Namespace"
+                assert "Namespace" not in ast.unparse(node.annotation), f"{name} takes an argparse Namespace"

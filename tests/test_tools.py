@@ -9,9 +9,9 @@ import jsonschema
 import pytest
 import torch
 
-from grammar import Compiler, Constraint
-from toolcalls import FORMATS, CallParser, Format, detect_format, format_named, merge_deltas, parse_calls
-from tools import calls_lark, field_of, finish_reason, message, tool_request
+from features.grammar import Compiler, Constraint
+from features.toolcalls import FORMATS, CallParser, Format, detect_format, format_named, merge_deltas, parse_calls
+from features.tools import calls_lark, field_of, finish_reason, message, tool_request
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -510,7 +510,7 @@ def test_cli_interactive_tool_round_trip(smollm2_gguf, tmp_path, monkeypatch, ca
     import io
 
     import generate
-    import toolcalls
+    from features import toolcalls
 
     ids = counter_ids()
     monkeypatch.setattr(toolcalls, "new_call_id", lambda fmt=None: ids())
@@ -531,7 +531,7 @@ def test_cli_interactive_tool_round_trip(smollm2_gguf, tmp_path, monkeypatch, ca
 def test_call_schemas_are_closed_where_left_open():
     """Objects listing properties get additionalProperties false unless they say otherwise; property maps and
     values are left alone (a property named "properties" stays a property)."""
-    from tools import closed
+    from features.tools import closed
 
     schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {}}},
                                                "b": {"enum": [{"properties": {}}]}},

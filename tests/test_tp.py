@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import quantize as q
-import tp
-from checkpoint import checkpoint_shapes
+from features import tp
+from formats.checkpoint import checkpoint_shapes
 from helpers import run_py
 from load import load_model
 from model import ModelArgs

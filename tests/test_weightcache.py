@@ -11,7 +11,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 import load
-import weightcache
+from formats import weightcache
 from helpers import run_py
 from quantize import Int4Linear
 from tiny_models import make_hf_llama, write_llama_gguf

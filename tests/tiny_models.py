@@ -7,9 +7,9 @@ import numpy as np
 import torch
 
 from decode import generate
-from gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
-from hffolder import tensor_names
-from checkpoint import load_state
+from formats.gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
+from formats.hffolder import tensor_names
+from formats.checkpoint import load_state
 from model import ModelArgs, Transformer
 from sample import SamplingParams
 

@@ -17,6 +17,7 @@ file's own. Writing copies the tensors once more in memory (safetensors serializ
 """
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -29,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from quantize import Int4Linear
 
 # The modules whose code decides a loaded model's tensors: their source is part of every key.
-SOURCES = ("checkpoint", "config", "gemv", "gguffile", "load", "model", "qkernels", "quantize", "weightcache")
+SOURCES = ("config", "formats.checkpoint", "formats.gguffile", "formats.weightcache", "load", "model", "ops.gemv",
+           "ops.qkernels", "quantize")
 KEEP = 2  # entries kept per source file (other dtypes or quantization requests), newest first
 SUFFIX = ".safetensors"
 
@@ -44,10 +46,10 @@ def sha(text: str) -> str:
 
 
 def code_hash() -> str:
-    """A hash of SOURCES' files, read beside this one."""
+    """A hash of SOURCES' files, found where the import system finds them (so a moved module is still hashed)."""
     h = hashlib.sha256()
     for name in SOURCES:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"), "rb") as f:
+        with open(importlib.util.find_spec(name).origin, "rb") as f:
             h.update(f.read())
     return h.hexdigest()
 

@@ -25,12 +25,12 @@ from kvcache import KVCache
 from load import load_model
 from model import Transformer
 from sample import SamplingParams
-from quality import load_eval_tokens
-from sinks import SinkKVCache, SinkWindow
+from scripts.quality import load_eval_tokens
+from features.sinks import SinkKVCache, SinkWindow
 from step import COMPILE_MODES, Step
 from tokenizer import load_tokenizer
 
-TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pride_and_prejudice_ch1-11.txt")
+TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "pride_and_prejudice_ch1-11.txt")
 
 
 def nll(logits: torch.Tensor, targets: list[int]) -> list[float]:

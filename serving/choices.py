@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from decode import end_reason
-from grammar import Grammar, Matcher
+from features.grammar import Grammar, Matcher
 from model import Transformer
 from sample import SamplingParams, Token, penalty_state, sample_tokens
-from scheduler import Scheduler, Seq
+from serving.scheduler import Scheduler, Seq
 from text import TextStream, finish_reason, push_token
 
 

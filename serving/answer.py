@@ -4,12 +4,12 @@ echo, tool calls read out of each choice's text, usage. Pure: serve.py does the 
 import json
 from dataclasses import dataclass, field
 
-from engine import Event
-from protocol import Call
+from serving.engine import Event
+from serving.protocol import Call
 from sample import Token
-from toolcalls import CallParser, merge_deltas
-from tools import message
-from tools import finish_reason as tool_finish_reason
+from features.toolcalls import CallParser, merge_deltas
+from features.tools import message
+from features.tools import finish_reason as tool_finish_reason
 
 
 def finish_reason(event: Event) -> str:

@@ -22,13 +22,13 @@ from tqdm import tqdm
 
 from cli import default_model, run_cli
 from kvcache import KVCache
-from gptq import (CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated,
+from features.gptq import (CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated,
                   sampled_sequences)
 from load import load_model, resolve_model_path
 from quantize import parse_mode, quantize_model, weight_bytes
 from tokenizer import load_tokenizer
 
-DATA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pride_and_prejudice_ch1-2.txt")
+DATA_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "pride_and_prejudice_ch1-2.txt")
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-import gemv
+from ops import gemv
 
 # The CPU kernels are vectorized for bfloat16 only (float32 takes a scalar loop, slower than a float32 matmul),
 # so on CPU they run with bf16 activations whatever the model dtype (then faster than a float32 matmul at any

@@ -27,14 +27,14 @@ from collections.abc import Sequence
 
 import torch
 
-from choices import Choice, Event, Outputs, Request, score_prompt
+from serving.choices import Choice, Event, Outputs, Request, score_prompt
 from decode import check_request, check_step
-from grammar import Grammar
+from features.grammar import Grammar
 from kvcache import BlockPool, PagedKVCache
 from model import Transformer
 from sample import SamplingParams, Token
-from scheduler import BlockManager, EngineConfig, Scheduler
-from sinks import SinkKVCache, SinkWindow
+from serving.scheduler import BlockManager, EngineConfig, Scheduler
+from features.sinks import SinkKVCache, SinkWindow
 from step import Step
 from text import Completion, check_stop
 

@@ -222,7 +222,7 @@ def mask_cost(grammar, vocab_size: int, batch_size: int, steps: int, device) -> 
     """Seconds per decode step that structured output adds: the masks of batch_size rows (sample.sample_tokens: one
     call for the batch; the engine: one per row) and the matchers taking their tokens. The rows walk the grammar
     along one path of random allowed tokens (seeded), starting over when it is complete."""
-    from grammar import advance, mask_logits
+    from features.grammar import advance, mask_logits
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(batch_size, vocab_size, generator=generator).to(device)  # (B, V)
@@ -271,7 +271,7 @@ def engine_bench(model, step: Step, batch_sizes: list[int], prompt_len: int, new
     engine prefills in its first step and then decodes as one batch to the end. The median run's time to the first
     token and time per decode step (the time after the last first token over the new_tokens - 1 steps), after one
     run that warms up (compiles, captures) that batch's shapes. Token ids only: no text is decoded."""
-    from engine import Engine, EngineConfig
+    from serving.engine import Engine, EngineConfig
 
     largest, blocks_per_seq = max(batch_sizes), -(-(prompt_len + new_tokens) // 16)
     config = EngineConfig(block_size=16, num_blocks=1 + largest * blocks_per_seq, max_running=largest,
@@ -459,7 +459,7 @@ def model_under_test(args: argparse.Namespace, device: torch.device,
 
 def add_mask_costs(rows: list[dict], args: argparse.Namespace, model, path: str | None, device) -> None:
     """--json-schema: each row's mask_ms and mask_per_row_ms (mask_cost) for the schema over the model's vocabulary."""
-    from grammar import Compiler, Constraint, json_schema_arg
+    from features.grammar import Compiler, Constraint, json_schema_arg
     from tokenizer import load_tokenizer
 
     if args.shape:

@@ -5,11 +5,12 @@
 # untied 128k head) in bf16, and the serving engine decoding 1, 16, 64 and 256 sequences together (CUDA graphs
 # per batch bucket). It ends with one table of every run (bench.py --table). Each step has its own time limit,
 # so one slow step cannot take the rest with it; the limits add up to under the device's 10-minute call.
-#   bash gpu_check.sh [OUT_DIR]      (needs a CUDA GPU with ~40 GB free; about 8 minutes on an H200)
-#   bash gpu_check.sh --wheels       (first, on a machine where pip reaches the registry: into .whl/, git-ignored,
+#   bash scripts/gpu_check.sh [OUT_DIR]      (needs a CUDA GPU with ~40 GB free; about 8 minutes on an H200)
+#   bash scripts/gpu_check.sh --wheels       (first, on a machine where pip reaches the registry: into .whl/, git-ignored,
 #                                     the packages a GPU machine's image may lack; carry .whl to it and this
 #                                     script installs them there)
 set -u
+cd "$(dirname "$0")/.."  # the repository root: the tests, scripts and .whl are named from there
 if [ "${1:-}" = "--wheels" ]; then  # gguf (pure Python) and llguidance (abi3), the versions installed here
     rm -rf .whl && mkdir .whl
     platforms=$(for n in 17 27 28 31 34 35 39; do printf -- "--platform manylinux_2_%s_x86_64 " "$n"; done)
@@ -24,11 +25,11 @@ fi
 out=${1:-gpu_check_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
-if [ -d .whl ]; then  # carried from `bash gpu_check.sh --wheels`
+if [ -d .whl ]; then  # carried from `bash scripts/gpu_check.sh --wheels`
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -c "import gguf, llguidance" || echo "== missing packages: run 'bash gpu_check.sh --wheels' where pip works and carry .whl"
+python3 -c "import gguf, llguidance" || echo "== missing packages: run 'bash scripts/gpu_check.sh --wheels' where pip works and carry .whl"
 step() {
     local limit=$1; shift
     echo "== $* (limit ${limit} s)"
@@ -39,7 +40,7 @@ step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 step 100 python3 -m pytest -q --maxfail=5 -p no:cacheprovider tests/test_cuda.py
-bench="python3 bench.py --device cuda --dtype bfloat16 --runs 3 --quiet"
+bench="python3 -m scripts.bench --device cuda --dtype bfloat16 --runs 3 --quiet"
 step 80 $bench --shape llama-2-7b --compile --profile --json "$out/llama2_bf16.json"
 step 75 $bench --shape llama-2-7b --compile --quantize int4 --json "$out/llama2_int4.json"
 step 75 $bench --shape llama-2-7b --compile --quantize int8 --json "$out/llama2_int8.json"
@@ -47,4 +48,4 @@ step 30 $bench --shape llama-2-7b --compile none --prompt-len 2048 --new-tokens 
 step 80 $bench --shape llama-3-8b --compile --json "$out/llama3_bf16.json"
 step 130 $bench --shape llama-2-7b --compile --engine --batch-size 1 16 64 256 --new-tokens 64 --runs 2 \
     --json "$out/llama2_engine.json"
-python3 bench.py --table "$out"/*.json
+python3 -m scripts.bench --table "$out"/*.json

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from cli import run_cli
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = os.path.join(ROOT, "data", "pride_and_prejudice_ch1-2.txt")
 
 

@@ -23,7 +23,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from kvcache import BlockPool
-from sinks import slot_of
+from features.sinks import slot_of
 
 
 @dataclass

@@ -18,9 +18,9 @@ import json
 import re
 from collections.abc import Callable
 
-from grammar import JSON_OPTIONS, Constraint, check_constraint
+from features.grammar import JSON_OPTIONS, Constraint, check_constraint
 from tokenizer import template_variables
-from toolcalls import FORMATS, CallParser, Format, format_named
+from features.toolcalls import FORMATS, CallParser, Format, format_named
 
 CHOICES = ("none", "auto", "required")
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name

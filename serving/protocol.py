@@ -6,11 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from decode import fit_new_tokens
-from engine import Request
-from grammar import Constraint, Grammar
+from serving.engine import Request
+from features.grammar import Constraint, Grammar
 from sample import SamplingParams, check_logit_bias
 from text import check_stop
-from tools import ToolRequest, field_of, tool_request
+from features.tools import ToolRequest, field_of, tool_request
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to all the room left
 MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs limit; completions' logprobs as vLLM)

@@ -21,10 +21,10 @@ import torch
 import torch.nn as nn
 
 from cli import default_model, run_cli
-from gptq import (CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated,
+from features.gptq import (CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated,
                   sampled_sequences)
-from hffolder import read_quantization
-from checkpoint import checkpoint_state
+from formats.hffolder import read_quantization
+from formats.checkpoint import checkpoint_state
 from load import load_model, resolve_model_path
 from quantize import MODES_HELP, parse_mode, quantization_of, weight_bytes
 from tokenizer import load_tokenizer
@@ -196,7 +196,7 @@ def check_method(args: argparse.Namespace) -> None:
 def calibrated_model(args: argparse.Namespace, source: str):
     """The float model quantized with GPTQ / AWQ / learned rounding on the calibration text and the text it
     samples from it."""
-    from quality import load_eval_tokens
+    from scripts.quality import load_eval_tokens
 
     model, path = load_model(source, "cpu", getattr(torch, args.dtype), progress=sys.stderr.isatty(), quantize="none")
     tokens = load_eval_tokens(load_tokenizer(path), args.calibration, flag="--calibration")

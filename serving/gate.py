@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from protocol import error_body
+from serving.protocol import error_body
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: its format, and --quiet silences it
 

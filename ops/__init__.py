@@ -1,0 +1,1 @@
+"""Device-specific products and kernels: int4/int8 layouts, one-row CPU products, batch-invariant ops."""

@@ -1,0 +1,1 @@
+"""Developer commands, run as `python -m scripts.NAME`: benchmarks, export, quality, load tests."""

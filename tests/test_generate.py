@@ -350,7 +350,8 @@ def test_a_chat_compiles_only_once_its_answers_pay_for_it(capsys, monkeypatch, s
     assert generate.main(["--model", smollm2_gguf, "--chat", "--interactive", "--temperature", "0",
                           "--max-new-tokens", "4", "--ignore-eos"]) == 0
     turns = [line for line in capsys.readouterr().err.splitlines() if line.startswith("turn ")]
-    assert len(turns) == 3 and len(compiled) == 1
+    blocks = [fn for fn in compiled if fn.__qualname__ == "Block.forward"]  # (on AVX2 the Q8_0 head's product too)
+    assert len(turns) == 3 and len(blocks) == 1
     for line in turns[:2]:  # 4 then 8 tokens decoded: the compile pays from the third answer on
         assert "| eager (auto: blocks once the chat has decoded" in line and "(compile)" not in line
     assert "| compiled: blocks (auto) |" in turns[2] and "first decode step (compile)" in turns[2]

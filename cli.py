@@ -2,6 +2,7 @@
 the default model, device and dtype choice, input checks, text from a file or stdin, --threads, --weights-cache and
 --version, and
 one `error:` line instead of a traceback."""
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -106,6 +107,52 @@ def set_threads(n: int | None) -> None:
     if n < 1:
         raise ValueError(f"--threads must be >= 1, got {n}")
     torch.set_num_threads(n)
+
+
+def number(v: float) -> str:
+    """A flag's value as a user typed it: 1024, not 1024.0 or 1.024e+03; 0.5 and 1e+30 as such."""
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else f"{v:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric flag allows: lo <= v <= hi (lo < v when `above`); None is no bound. NaN is in none."""
+    lo: float | None = None
+    hi: float | None = None
+    above: bool = False
+
+    def holds(self, v: float) -> bool:
+        low = self.lo is None or (v > self.lo if self.above else v >= self.lo)
+        return bool(low and (self.hi is None or v <= self.hi) and v == v)
+
+    def __str__(self) -> str:
+        low = None if self.lo is None else f"{'>' if self.above else '>='} {number(self.lo)}"
+        high = None if self.hi is None else f"<= {number(self.hi)}"
+        return " and ".join(b for b in (low, high) if b)
+
+
+def check_ranges(args, ranges: dict[str, Range]) -> None:
+    """A ValueError naming the first flag (by its argparse dest) whose value, or one of whose values, is outside
+    its Range; None (a flag left unset) passes."""
+    for dest, allowed in ranges.items():
+        value = getattr(args, dest)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and not allowed.holds(v):
+                raise ValueError(f"--{dest.replace('_', '-')} must be {allowed}, got {number(v)}")
+
+
+def check_output_file(path: str | None, flag: str) -> None:
+    """A ValueError, before any work, for an output file that cannot be written: a directory, a missing folder,
+    a place without write permission."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; expected a file to write")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path!r}: folder {folder!r} does not exist")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise ValueError(f"{flag} {path!r} is not writable")
 
 
 def read_text_file(path: str, what: str) -> str:

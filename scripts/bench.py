@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from cli import DTYPES, default_model, pick_device, pick_dtype, run_cli
+from cli import (DTYPES, Range, check_output_file, check_ranges, default_model, pick_device, pick_dtype, run_cli,
+                 set_threads)
 from decode import generate, generate_batch
 from load import load_model
 from model import ModelArgs, Transformer
@@ -401,8 +402,15 @@ def cpu_class() -> str:
     return f"{torch.backends.cpu.get_cpu_capability()} kernels{', ' + name if name else ''}"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Decode/prefill benchmark against the memory-bandwidth roofline, "
+# Each numeric flag's allowed values (cli.check_ranges), checked before anything runs.
+RANGES = {"batch_size": Range(1, 4096), "prompt_len": Range(1, 2**20), "new_tokens": Range(2, 2**20),
+          "runs": Range(1, 1000), "threads": Range(1, 1024), "memory_gib": Range(0, 2**20, above=True),
+          "context": Range(1, 2**24), "bandwidth_gbs": Range(0, 1e6, above=True),
+          "peak_tflops": Range(0, 1e6, above=True), "kv_bytes": Range(0, 8, above=True)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m scripts.bench", description="Decode/prefill benchmark against the memory-bandwidth roofline, "
                                 "and capacity planning (--plan).")
     p.add_argument("--model", default=None, help="checkpoint (default: the offline SmolLM2 GGUF)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a published shape instead of --model")
@@ -438,7 +446,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--table", nargs="+", default=None, metavar="JSON",
                    help="print the --json files of earlier runs as one table, and nothing else")
     p.add_argument("--quiet", action="store_true")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def model_under_test(args: argparse.Namespace, device: torch.device,
@@ -472,12 +484,8 @@ def add_mask_costs(rows: list[dict], args: argparse.Namespace, model, path: str 
 
 
 def run(args: argparse.Namespace) -> None:
-    for name, values in [("--batch-size", args.batch_size), ("--prompt-len", args.prompt_len),
-                         ("--runs", [args.runs])]:
-        if min(values) < 1:
-            raise ValueError(f"{name} must be >= 1, got {min(values)}")
-    if args.new_tokens < 2:
-        raise ValueError(f"--new-tokens must be >= 2 (one prefill token + decode steps), got {args.new_tokens}")
+    check_ranges(args, RANGES)  # --new-tokens >= 2: one prefill token, then decode steps
+    check_output_file(args.json, "--json")
     if args.llama_bench and (args.shape or args.plan):
         raise ValueError("--llama-bench runs llama.cpp on the same GGUF file: pass --model (or its default), not "
                          "--shape or --plan")
@@ -489,8 +497,7 @@ def run(args: argparse.Namespace) -> None:
         print_summary(args.table)
         return
     device = pick_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if args.plan:
         if args.shape is None:
             raise ValueError("--plan needs --shape (one of: " + ", ".join(sorted(SHAPES)) + ")")

@@ -20,7 +20,7 @@ import tempfile
 import torch
 import torch.nn as nn
 
-from cli import default_model, run_cli
+from cli import Range, check_ranges, default_model, run_cli
 from features.gptq import (CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated,
                   sampled_sequences)
 from formats.hffolder import read_quantization
@@ -151,8 +151,12 @@ def save_quantized(model: nn.Module, source: str, out: str) -> None:
             os.remove(os.path.join(out, name))
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Quantize a checkpoint and write it to a folder.")
+# Each numeric flag's allowed values (cli.check_ranges), checked before anything is loaded.
+RANGES = {"calibration_tokens": Range(2, 2**31), "sampled_tokens": Range(0, 2**24), "tune": Range(0, 1000)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m scripts.export", description="Quantize a checkpoint and write it to a folder.")
     p.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: as generate.py)")
     p.add_argument("--mode", required=True, help=MODES_HELP)
     p.add_argument("--quantize-head", action="store_true", help="quantize the LM head too")
@@ -172,11 +176,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tune", type=int, default=0, metavar="PASSES",
                    help="then tune the groups' scales and zeros (codes fixed) and the norms' weights end to end on "
                    "the calibration text, this many passes (default 0; keeps a float copy of the model)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def check_method(args: argparse.Namespace) -> None:
-    """A ValueError for flags that do not go together, before anything is loaded."""
+    """A ValueError for a flag out of its range or flags that do not go together, before anything is loaded."""
+    check_ranges(args, RANGES)
     kind, _ = parse_mode(args.mode)
     if args.method == "rtn" and (args.act_order or args.calibration != CALIBRATION_FILE or args.calibration_tokens
                                  or args.sampled_tokens or args.tune):
@@ -185,12 +194,6 @@ def check_method(args: argparse.Namespace) -> None:
     if args.method != "rtn" and (kind != "int4" or args.quantize_head):
         raise ValueError(f"--method {args.method} makes the block linears int4:G; got --mode {args.mode}"
                          f"{' with --quantize-head (the head takes --method rtn)' if args.quantize_head else ''}")
-    if args.calibration_tokens is not None and args.calibration_tokens < 2:
-        raise ValueError(f"--calibration-tokens {args.calibration_tokens}: must be at least 2")
-    if args.sampled_tokens < 0:
-        raise ValueError(f"--sampled-tokens {args.sampled_tokens}: must be 0 or more")
-    if args.tune < 0:
-        raise ValueError(f"--tune {args.tune}: must be 0 or more")
 
 
 def calibrated_model(args: argparse.Namespace, source: str):

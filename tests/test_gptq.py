@@ -308,10 +308,10 @@ def test_export_gptq_act_order_folder(tiny_text_dir, tmp_path):
     (["--mode", "int4:32", "--method", "awq", "--quantize-head"], "the head takes --method rtn"),
     (["--mode", "int4:32", "--act-order"], "need a calibrated --method"),
     (["--mode", "int4:32", "--sampled-tokens", "64"], "need a calibrated --method"),
-    (["--mode", "int4:32", "--method", "gptq", "--sampled-tokens", "-1"], "must be 0 or more"),
+    (["--mode", "int4:32", "--method", "gptq", "--sampled-tokens", "-1"], "--sampled-tokens must be >= 0"),
     (["--mode", "int4:32", "--tune", "1"], "need a calibrated --method"),
-    (["--mode", "int4:32", "--method", "awq", "--tune", "-1"], "--tune -1: must be 0 or more"),
-    (["--mode", "int4:32", "--method", "gptq", "--calibration-tokens", "1"], "must be at least 2")])
+    (["--mode", "int4:32", "--method", "awq", "--tune", "-1"], "--tune must be >= 0"),
+    (["--mode", "int4:32", "--method", "gptq", "--calibration-tokens", "1"], "--calibration-tokens must be >= 2")])
 def test_export_method_flags_checked_first(tiny_text_dir, tmp_path, cli_error, argv, message):
     from scripts import export
 

@@ -80,9 +80,9 @@ def test_cli_modes_and_sampled_calibration(tiny_text_dir, tmp_path, capsys, cli_
     assert kls[0] != kls[1]
     err = cli_error(quality.main, ["--model", tiny_text_dir, "--modes", "int4:64,int4:48"])
     assert "group size '48' in 'int4:48'" in err
-    assert "must be 0 or more" in cli_error(quality.main, ["--model", tiny_text_dir, "--methods", "gptq",
+    assert "--sampled-tokens must be >= 0" in cli_error(quality.main, ["--model", tiny_text_dir, "--methods", "gptq",
                                                            "--sampled-tokens", "-5"])
-    assert "--tune -1: must be 0 or more" in cli_error(quality.main, ["--model", tiny_text_dir, "--tune", "-1"])
+    assert "--tune must be >= 0" in cli_error(quality.main, ["--model", tiny_text_dir, "--tune", "-1"])
     assert "--tune 1: needs a calibrated method in --methods (rtn)" in cli_error(
         quality.main, ["--model", tiny_text_dir, "--tune", "1"])
 

@@ -2,7 +2,7 @@
 CUDA logits against CPU ones, the CUDA-graph compiled decode step (reduce-overhead, its guard filter) and the
 compiled blocks against eager, Mixtral, grammar masks on GPU logits, and the serving engine over its paged cache,
 eager and with CUDA graphs per batch bucket. They need a GPU, so CI (CPU only) skips them; the GPU check runs them
-(see README, Benchmarks)."""
+(`bash scripts/gpu_check.sh`: README, GPU; its past results in dev/LOG.md)."""
 import copy
 import re
 

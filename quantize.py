@@ -19,7 +19,7 @@ from ops.qkernels import (KERNEL_DTYPE, ROW_BLOCK, int4_kernel, int4_mm, int8_ke
 from model import Parts
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels (tinygemm on CUDA, int4pack on CPU) accept
-DEFAULT_GROUP = 32  # on SmolLM2 (a Q4_1 GGUF, groups of 32) larger groups cost far more quality: see README
+DEFAULT_GROUP = 32  # on SmolLM2 (a Q4_1 GGUF, groups of 32) larger groups cost far more quality (dev/LOG.md)
 MODES_HELP = f"int8, int4 (group {DEFAULT_GROUP}) or int4:GROUP with GROUP in {', '.join(map(str, GROUP_SIZES))}"
 N_MULTIPLE = 16  # the CPU int4 packer works on blocks of 16 output rows
 INT8_K_MULTIPLE = 16  # the CPU int8 kernel reads bf16 activations in 16-wide tiles (wrong results otherwise)
@@ -170,7 +170,6 @@ class Int4Linear(Parts, nn.Module):
         self.register_buffer("scales_and_zeros", torch.zeros(self.in_padded // group_size, self.out_padded, 2,
                                                              dtype=KERNEL_DTYPE, device=device))
         self.bias = float_bias(out_features, dtype, device) if bias else None  # (N,), not padded
-        self.register_buffer("kernel_scales", None, persistent=False)  # the words layout's (gemv.half_group_scales)
         # (K,), given with the codes (a meta placeholder until then: the first part to come sets it); None: no order
         perm = torch.empty(in_features, dtype=torch.int64, device="meta") if act_order else None
         self.register_buffer("in_perm", perm)
@@ -235,7 +234,7 @@ class Int4Linear(Parts, nn.Module):
             return
         kernel = kernel or int4_kernel(self.weight.device)
         if kernel is not None:
-            self.weight, self.kernel_scales = to_layout(self.weight, kernel, self.scales_and_zeros, self.group_size)
+            self.weight = to_layout(self.weight, kernel)
         self.kernel = kernel
 
     def codes(self) -> torch.Tensor:
@@ -253,8 +252,8 @@ class Int4Linear(Parts, nn.Module):
             y = F.linear(x2, self.dequantize().to(x.dtype))  # (M, N)
         else:
             x2 = x2 if self.in_perm is None else x2.index_select(1, self.in_perm)  # (M, K) in the codes' order
-            scales = self.kernel_scales if self.kernel == "words" else self.scales_and_zeros
-            y = int4_mm(self.kernel, pad_columns(x2, self.in_padded), self.weight, self.group_size, scales)  # (M, N pad)
+            y = int4_mm(self.kernel, pad_columns(x2, self.in_padded), self.weight, self.group_size,
+                        self.scales_and_zeros)  # (M, N padded)
             if self.out_padded != self.out_features:
                 y = y[:, :self.out_features]  # (M, N)
         y = y if self.bias is None else y + self.bias.to(y.dtype)
@@ -262,7 +261,7 @@ class Int4Linear(Parts, nn.Module):
 
     def repack(self, kernel: str | None) -> None:
         """The same codes in another kernel's layout (None: the plain one)."""
-        self.weight, self.kernel, self.kernel_scales = pack_int4(self.codes()), None, None
+        self.weight, self.kernel = pack_int4(self.codes()), None
         if kernel is not None:
             self.pack_for_kernel(kernel)
 
@@ -295,7 +294,7 @@ class Int8GroupLinear(nn.Module):
     exact but for d's rounding to bf16 (16d and 8d are then exact too). The halves are one Int4Linear of 2K inputs,
     [hi | lo], multiplied by [x | x]: 1.25 bytes a weight (the codes, and a bf16 scale and zero per 32 of each half)
     against 2 for the dequantized bf16 matrix. Used for a GGUF's Q8_0 head (load.py), the largest matrix of a small
-    model (README, Benchmarks).
+    model (dev/LOG.md).
     Where torch dispatches its AVX2 kernels, the load also keeps the codes as gemv.py's bytes words, the same weight
     (scales bf16-rounded as the halves'), which compiled steps run (compiled_head): Inductor's one-row kernel over
     them is 2.3x faster there than the int4 kernel over the halves, and takes float32 activations. Each row runs
@@ -384,25 +383,6 @@ def swap_linears(model: nn.Module, mode: str, quantize_head: bool = False,
     return swapped
 
 
-def compiled_layouts(model: nn.Module, compiled: bool = True) -> None:
-    """Opt-in, not chosen by any step yet: the words layout runs each row alone (a row's bits are a one-row step's),
-    which a compiled verify graph, its token count symbolic, cannot unroll; `auto` needs a batched kernel with one-row
-    bits first (README, Benchmarks). Compiled: the words layout (gemv.py) where torch dispatches its AVX2 kernels
-    (read from torch, not CPUID, so ATEN_CPU_CAPABILITY=avx2 runs an AVX-512 machine as an AVX2 one), for every
-    Int4Linear whose padded inputs are a multiple of 64; torch's int4 kernel elsewhere. Eager (compiled=False, also
-    after a compile failed): torch's kernel, as the words layout runs as Inductor kernels, compiled per shape, which a
-    short eager answer does not repay (and a machine that cannot compile cannot run)."""
-    if compiled and torch.backends.cpu.get_cpu_capability() != "AVX2":
-        return
-    for module in model.modules():
-        if not isinstance(module, Int4Linear):
-            continue
-        if compiled and module.kernel == "cpu" and module.in_padded % gemv.SUPER == 0:
-            module.repack("words")
-        elif not compiled and module.kernel == "words":
-            module.repack("cpu")
-
-
 def avx2(device: torch.device) -> bool:
     """A CPU where torch dispatches its AVX2 kernels (read from torch, not CPUID: ATEN_CPU_CAPABILITY=avx2 runs an
     AVX-512 machine as an AVX2 one)."""
@@ -414,7 +394,7 @@ def compiled_head(model: nn.Module, compiled: bool) -> None:
     (AVX2), one Inductor kernel of their own; else the int4 halves. Step.set_up calls it, compiled for `blocks`
     (the head runs between the compiled layers). Not for an eager step (also after a compile failed): a kernel
     compiled once per shape does not repay a short answer. Not for `full`: in its whole-step graph Inductor fuses
-    the final norm into the words' loop, 1.7x slower than the halves (README, Benchmarks)."""
+    the final norm into the words' loop, 1.7x slower than the halves (dev/LOG.md)."""
     if isinstance(model.lm_head, Int8GroupLinear):
         model.lm_head.compiled = compiled and model.lm_head.words is not None
 

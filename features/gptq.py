@@ -25,7 +25,7 @@ error weighted by H's diagonal (round-to-nearest's plain min/max lets one outlie
 The blocks are calibrated in turn: the inputs of block i are the outputs of the already quantized blocks before it,
 so the memory is one block's activations for the calibration tokens (and one H per linear; learned rounding keeps
 the float model's too). The calibration tokens are a text's, and optionally text the float model writes itself from
-it (sampled_sequences), which on SmolLM2 helps more than any other change tried (README, Quality).
+it (sampled_sequences), which on SmolLM2 helps more than any other change tried (dev/LOG.md).
 """
 import copy
 import os
@@ -291,7 +291,6 @@ class TunableGrid(nn.Module):
         q = self.source[0]
         scale, zero = self.grid()
         q.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(KERNEL_DTYPE).contiguous()
-        q.repack(q.kernel)  # a kernel layout may hold the scales too
         return q
 
 

@@ -3,7 +3,7 @@
 Converting a GGUF file is most of a short answer's start: on a 2-core AVX2 machine, SmolLM2's Q4_1 blocks unpacked
 and repacked for torch's int4 kernel, its Q8_0 head as int4 halves and its embedding dequantized take ~2.4 s of the
 first command's ~5 s after `import torch`; the same tensors read back from a safetensors file, memory-mapped, 0.02 s
-(README, Benchmarks).
+(dev/LOG.md).
 
 An entry is one safetensors file holding every parameter and buffer of the finished model but the RoPE tables
 (Transformer.reset_rope remakes them), in their kernels' layouts, and in its metadata each Int4Linear's layout. It is

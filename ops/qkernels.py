@@ -1,16 +1,13 @@
 """The native kernels quantize.py's modules run (which one a device gets) and the int4 weight layouts they read.
 
-An Int4Linear keeps its codes in one of four layouts, named by its `kernel`: None, the plain one checkpoints store
-(pack_int4: two codes a byte); "cpu", torch's int4pack_mm_for_cpu's; "cuda", tinygemm's (sm80+); "words", gemv.py's
-(opt-in, quantize.compiled_layouts). to_layout and layout_codes convert between the plain bytes and the others;
-int4_mm multiplies through a layout's kernel.
+An Int4Linear keeps its codes in one of three layouts, named by its `kernel`: None, the plain one checkpoints store
+(pack_int4: two codes a byte); "cpu", torch's int4pack_mm_for_cpu's; "cuda", tinygemm's (sm80+). to_layout and
+layout_codes convert between the plain bytes and the others; int4_mm multiplies through a layout's kernel.
 Shape legend: N out_features (padded to 16), K in_features (padded to G), G group size, M rows of activations.
 """
 import functools
 
 import torch
-
-from ops import gemv
 
 # The CPU kernels are vectorized for bfloat16 only (float32 takes a scalar loop, slower than a float32 matmul),
 # so on CPU they run with bf16 activations whatever the model dtype (then faster than a float32 matmul at any
@@ -24,8 +21,7 @@ INT4_MM = {"cpu": getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None),
 
 
 def int4_kernel(device: torch.device) -> str | None:
-    """'cpu' (int4pack_mm_for_cpu), 'cuda' (tinygemm, sm80+) or None (dequantize-then-matmul). compiled_layouts
-    moves modules to 'words' (gemv.py, opt-in)."""
+    """'cpu' (int4pack_mm_for_cpu), 'cuda' (tinygemm, sm80+) or None (dequantize-then-matmul)."""
     if device.type == "cpu" and INT4_MM["cpu"] is not None:
         return "cpu"
     if device.type == "cuda" and INT4_MM["cuda"] is not None and torch.cuda.get_device_capability(device)[0] >= 8:
@@ -53,18 +49,15 @@ def cuda_inner_k_tiles(k: int) -> int:
     return 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2  # K is a multiple of G >= 32
 
 
-def to_layout(plain: torch.Tensor, kernel: str, scales_and_zeros: torch.Tensor,
-              group_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Plain bytes (N, K/2) -> (the weight in `kernel`'s layout, its scales: the words layout's, else None)."""
-    if kernel == "words":
-        return gemv.pack_words(unpack_int4(plain)), gemv.half_group_scales(scales_and_zeros, group_size)
+def to_layout(plain: torch.Tensor, kernel: str) -> torch.Tensor:
+    """Plain bytes (N, K/2) -> the weight in `kernel`'s layout."""
     if kernel == "cpu":  # it packs each block of 16 rows on its own, so blocks of rows keep int32 copies small
         return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(rows).to(torch.int32), 1)
-                          for rows in plain.split(ROW_BLOCK)]), None
+                          for rows in plain.split(ROW_BLOCK)])
     assert kernel == "cuda", kernel
     codes = unpack_int4(plain)  # (N, K)
     high_first = (codes[:, 0::2] << 4) | codes[:, 1::2]  # the CUDA packer wants even k in the high nibble
-    return torch.ops.aten._convert_weight_to_int4pack(high_first, cuda_inner_k_tiles(codes.shape[1])), None
+    return torch.ops.aten._convert_weight_to_int4pack(high_first, cuda_inner_k_tiles(codes.shape[1]))
 
 
 @functools.cache
@@ -73,7 +66,7 @@ def int4pack_order(k: int) -> torch.Tensor:
     block (low nibble first), the index row * k + column of the code it holds. Read off the packer itself: probes
     whose codes spell their own index, 4 bits each, packed, then read back nibble by nibble. That the packer moves
     codes without reading them and packs each block of PROBE_ROWS rows alike (it works on blocks of 16-64 rows) is
-    what tests/test_gemv.py checks: the codes packed come back."""
+    what tests/test_quantize.py checks: the codes packed come back."""
     index = torch.arange(PROBE_ROWS * k, dtype=torch.int32).view(PROBE_ROWS, k)
     order = torch.zeros(PROBE_ROWS * k, dtype=torch.int64)
     for shift in range(0, (PROBE_ROWS * k - 1).bit_length(), 4):
@@ -86,8 +79,6 @@ def layout_codes(weight: torch.Tensor, kernel: str | None, shape: tuple[int, int
     """The (N, K) codes (shape: padded) read back from `weight` in `kernel`'s layout."""
     if kernel is None:
         return unpack_int4(weight)
-    if kernel == "words":
-        return gemv.unpack_words(weight)
     N, K = shape
     if kernel == "cpu" and N % PROBE_ROWS == 0:
         nibbles = torch.stack([weight & 15, weight >> 4], dim=-1).view(N // PROBE_ROWS, PROBE_ROWS * K)
@@ -104,12 +95,7 @@ def layout_codes(weight: torch.Tensor, kernel: str | None, shape: tuple[int, int
 
 def int4_mm(kernel: str, x2: torch.Tensor, weight: torch.Tensor, group_size: int,
             scales: torch.Tensor) -> torch.Tensor:
-    """x2 (M, K) -> (M, N) through the kernel of `weight`'s layout. scales: scales_and_zeros (K/G, N, 2), or the
-    words layout's (gemv.half_group_scales)."""
-    if kernel == "words":
-        # Row by row, prefill too, so that each row's bits are a one-row step's whatever the row count: greedy is then
-        # greedy across batches, verifies and prefill lengths, as torch's kernel (which computes each row alone) is.
-        return torch.stack([gemv.run(gemv.gemv, row, weight, scales) for row in x2]).to(x2.dtype)
+    """x2 (M, K) -> (M, N) through the kernel of `weight`'s layout, with scales_and_zeros (K/G, N, 2)."""
     # tinygemm (CUDA) takes bf16 only, the CPU kernel is fast in bf16 only: cast around them. A bf16 decode
     # step calls this 120 times (SmolLM2), so the casts that would do nothing are not called at all.
     mm = INT4_MM[kernel]

@@ -43,6 +43,15 @@ def test_kernel_layout_round_trips_to_plain_codes(n, k):
     assert torch.equal(module.state_dict()["weight"], plain)  # checkpoints get the plain layout
 
 
+@pytest.mark.parametrize("n, k", [(64, 64), (128, 576), (192, 1536), (48, 128)])
+def test_codes_read_back_from_torchs_cpu_layout(n, k):
+    """layout_codes reads torch's CPU int4 layout back: through int4pack_order (read off the packer) where the rows
+    are a multiple of 64, through the kernel's own product elsewhere; the codes packed, either way."""
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    weight = qkernels.to_layout(qkernels.pack_int4(codes), "cpu")
+    assert torch.equal(qkernels.layout_codes(weight, "cpu", (n, k), 32), codes)
+
+
 @pytest.mark.parametrize("group", q.GROUP_SIZES)
 def test_int4_quantization_error_within_half_a_step(group):
     torch.manual_seed(0)

@@ -61,10 +61,9 @@ MAX_LOGPROBS = 20  # --logprobs at most, as OpenAI's top_logprobs: each alternat
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Generate text with a Llama-family model. The text goes to stdout as "
-                                "it is produced; a summary line to stderr (README, Generate).")
+                                "it is produced; a summary line to stderr (README, Use).")
     g = p.add_argument_group("input")
-    g.add_argument("-p", "--prompt", default=None, help="prompt text; - or piped stdin reads it from stdin (with "
-                   "--chat: the user message; with --interactive: the first turn)")
+    g.add_argument("-p", "--prompt", default=None, help="prompt text; - reads stdin (as does piped text)")
     g.add_argument("-f", "--prompt-file", default=None, metavar="FILE", help="the prompt is FILE's text")
     g.add_argument("--prompts-file", default=None, metavar="F", help="one batch of F's non-empty lines")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -81,8 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1 disables (default)")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default 0)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default 0)")
-    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
-                   help="BIAS in [-100, 100] on token ID's logit (repeatable)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS", help="in [-100, 100]; repeatable")
     g.add_argument("--seed", type=int, default=None, help="random seed (default: nondeterministic)")
     g = p.add_argument_group("length and output")
     g.add_argument("-n", "--max-new-tokens", type=int, default=None, metavar="N",
@@ -91,8 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--min-tokens", type=int, default=0, metavar="N", help="no end of turn before N tokens")
     g.add_argument("--ignore-eos", action="store_true", help="run to --max-new-tokens")
     g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop at STR (repeatable)")
-    g.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help=f"each token's logprob and N in [0, {MAX_LOGPROBS}] alternatives (a table on stderr)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N", help=f"N in [0, {MAX_LOGPROBS}] alternatives")
     g.add_argument("--json", action="store_true", help="one JSON object per completion instead of the text")
     g.add_argument("--quiet", action="store_true", help="no progress bars and no summary line")
     g = p.add_argument_group("structured output (one of)")
@@ -102,8 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--grammar", default=None, metavar="FILE", help="Lark (`start`) or GBNF (`root`) grammar file")
     g = p.add_argument_group("tool calling (README, Tool calling)")
     g.add_argument("--tools", default=None, metavar="FILE", help="with --chat: a JSON list of OpenAI tools")
-    g.add_argument("--tool-choice", default=None, metavar="CHOICE",
-                   help="auto (default), none, required or a function's name")
+    g.add_argument("--tool-choice", default=None, metavar="CHOICE", help="auto (default), none, required or a name")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="the model's call syntax (default: from the chat template, else hermes)")
     g = p.add_argument_group("model and runtime")
@@ -113,18 +109,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"torch.compile the decode step; --compile alone is full. {COMPILE_HELP}")
     g.add_argument("--compile-prefill", action="store_true", help="--compile full, and the prefill too")
     g.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
-    g.add_argument("--quantize", default=None, metavar="MODE", help="int8, int4, int4:GROUP (32, 64, 128, 256) or "
-                   "none (dequantize a GGUF); default: as the checkpoint is")
+    g.add_argument("--quantize", default=None, metavar="MODE", help="int8, int4[:GROUP] or none (default: as stored)")
     g.add_argument("--quantize-head", action="store_true", help="with --quantize: the LM head too")
     g.add_argument("--kv-cache-dtype", default="model", choices=["model", "int8"], help="KV cache storage")
-    g.add_argument("--cache-window", type=int, default=None, metavar="W",
-                   help="a rolling KV cache of W slots: past the context (README, Attention sinks)")
-    g.add_argument("--sink-tokens", type=int, default=None, metavar="S",
-                   help="with --cache-window: positions never evicted (default 4)")
+    g.add_argument("--cache-window", type=int, default=None, metavar="W", help="rolling KV cache (Attention sinks)")
+    g.add_argument("--sink-tokens", type=int, default=None, metavar="S", help="with --cache-window: kept (default 4)")
     g = p.add_argument_group("speculative decoding (one draft)")
     g.add_argument("--draft-model", default=None, metavar="M", help="draft model M (the same vocabulary)")
-    g.add_argument("--draft-quantize", default=None, metavar="MODE", help="the target (or --draft-model) "
-                   "quantized with MODE")
+    g.add_argument("--draft-quantize", default=None, metavar="MODE", help="the target (or draft) quantized MODE")
     g.add_argument("--prompt-lookup", action="store_true", help="draft from earlier matches in the context")
     g.add_argument("--speculate-k", type=int, default=4, metavar="K", help="tokens per draft, >= 1 (default 4)")
     p.add_argument("--version", action="version", version=version_line())
@@ -277,12 +269,6 @@ def window_of(args: argparse.Namespace) -> SinkWindow | None:
     return window
 
 
-def tools_of(args: argparse.Namespace, tokenizer) -> ToolRequest | None:
-    """--tools FILE with --tool-choice and --tool-call-parser, checked against the model's chat template (before
-    the weights load); None without --tools."""
-    return None if args.tools is None else load_tools(args.tools, args.tool_choice, args.tool_call_parser, tokenizer)
-
-
 def one_prompt(args: argparse.Namespace) -> str | None:
     """The single prompt's text: --prompt TEXT, the file of --prompt-file, or stdin (--prompt -, or text piped with
     no prompt given and no --interactive); one trailing newline of a file or stdin is dropped (`echo`, editors)."""
@@ -368,13 +354,14 @@ def setup_summary(plan: Plan, args: argparse.Namespace, model: Transformer, shar
 
 
 def tokenize(args: argparse.Namespace, path: str, texts: list[str]):
-    """The tokenizer, --tools, the system message (a list of none or one) and the prompts' tokens: with --chat
-    rendered with the chat template (none with --interactive: each turn is rendered as it comes)."""
+    """The tokenizer, --tools, the system message (a list of none or one) and the prompts' tokens (with --chat
+    rendered by the chat template; none with --interactive), before the weights load: a broken tokenizer file or
+    chat template fails in a moment."""
     tokenizer = load_tokenizer(path)
     if args.chat and tokenizer.chat_template is None:
         raise ValueError(f"--chat needs a chat template, and the tokenizer of {path!r} has none")
     system = [{"role": "system", "content": args.system}] if args.system else []
-    tools = tools_of(args, tokenizer)  # None without --tools
+    tools = None if args.tools is None else load_tools(args.tools, args.tool_choice, args.tool_call_parser, tokenizer)
     prompts = [chat_tokens(tokenizer, system + [{"role": "user", "content": t}], tools) if args.chat else
                tokenizer.encode(t, special=args.prompt_special_tokens == "tokens") for t in texts]
     return tokenizer, tools, system, prompts
@@ -405,8 +392,6 @@ def run(args: argparse.Namespace) -> None:
     progress = not args.quiet and sys.stderr.isatty()
     path = resolve_model_path(args.model or default_model())
     params, from_config = checkpoint_sampling(plan, args, path)
-    # The tokenizer and the prompts first: a broken tokenizer file or chat template fails in a moment, not after
-    # the weights have loaded.
     tokenizer, tools, system, prompts = tokenize(args, path, texts)
     # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
     model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
@@ -415,12 +400,10 @@ def run(args: argparse.Namespace) -> None:
     for prompt in prompts:
         check_request(prompt, 1, context, what)
     seed = args.seed if args.seed is not None else torch.Generator().seed()  # leaves torch's global RNG alone
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed if shard is None else tp.same_seed(seed, device))
+    generator = torch.Generator(device=device).manual_seed(seed if shard is None else tp.same_seed(seed, device))
     if shard is not None:
         tp.install(model)
-    # auto compiles where it pays: for an answer long enough (step.COMPILE_PAYS_AFTER), or in a chat once its
-    # answers have decoded that many (Step.account)
+    # auto compiles where it pays: an answer long enough, or a chat once its answers have decoded as many
     n_new = None if args.interactive else new_tokens(args.max_new_tokens, max(map(len, prompts)), context, what)
     step = Step(model, args.compile, args.compile_prefill, args.deterministic, n_new, pay_as_you_go=args.interactive)
     constraint = plan.constraint or (tools.constraint if tools is not None else None)

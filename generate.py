@@ -2,7 +2,7 @@
 
 Parses and checks the flags (every combination in check_args), loads the model, and runs one of three paths of
 the library: a single prompt (decode.generate, or speculative.generate with a draft), a batch (--prompts-file:
-decode.generate_batch) or a multi-turn chat (--interactive: decode.Session). The text streams to stdout; one
+decode.generate_batch) or a multi-turn chat (--interactive: features/chat.py). The text streams to stdout; one
 summary line (TTFT, decode tokens/s, what runs) goes to stderr. Ctrl-C ends it with status 130 at any moment.
 """
 import os

@@ -1,6 +1,7 @@
-"""A reply on a terminal and a multi-turn chat over stdin (generate.py's output and --interactive): the text
-streamed (with tools, the content, then the calls as one JSON line), or one JSON object; the logprobs table and the
-summary line on stderr; user turns read from stdin, `/tool ID RESULT` answering a tool call."""
+"""What generate.py prints, and its chat: a reply streamed to the terminal (with tools, the content, then the calls
+as one JSON line) or one JSON object, the logprobs table and the summary line on stderr (Output); the multi-turn chat
+over stdin (chat), where `/tool ID RESULT` answers a tool call; a tools file read and checked (load_tools). The
+command passes plain values: no flags here."""
 import itertools
 import json
 import os

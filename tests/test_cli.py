@@ -113,3 +113,18 @@ def test_text_from_a_file_or_stdin(monkeypatch, tmp_path):
     monkeypatch.setattr("sys.stdin", None)
     with pytest.raises(ValueError, match="stdin, which is closed"):
         cli.read_stdin()
+
+
+def test_device_flags():
+    """add_device_flags: the four flags every model-loading command takes, their defaults, and --dtype's choices."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add = p.add_argument_group("runtime")
+    cli.add_device_flags(add)
+    args = p.parse_args([])
+    assert (args.device, args.dtype, args.threads, args.weights_cache) == (None, "auto", None, None)
+    args = p.parse_args(["--device", "cpu", "--dtype", "float16", "--threads", "2", "--weights-cache", "none"])
+    assert (args.device, args.dtype, args.threads, args.weights_cache) == ("cpu", "float16", 2, "none")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--dtype", "float8"])

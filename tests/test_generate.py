@@ -15,6 +15,7 @@ import torch
 
 import generate
 import step
+from features.chat import print_logprobs, summary
 from helpers import ROOT, ToyTokenizer, child_env, run_py
 from sample import SamplingParams, Token
 from text import Completion
@@ -118,15 +119,15 @@ def test_check_args_returns_the_sampling_parameters():
     args = generate.parse_args(["--prompt", "hi", "--temperature", "0.5", "--top-k", "7", "--top-p", "0.9",
                                 "--min-p", "0.1", "--repetition-penalty", "1.1", "--presence-penalty", "0.2",
                                 "--frequency-penalty", "0.3"])
-    assert generate.check_args(args) == SamplingParams(0.5, 7, 0.9, 0.1, 1.1, 0.2, 0.3)
+    assert generate.check_args(args).params == SamplingParams(0.5, 7, 0.9, 0.1, 1.1, 0.2, 0.3)
     args = generate.parse_args(["--prompt", "hi", "--temperature", "0", "--logit-bias", "12=-100", "--logit-bias",
                                 "3=2.5", "--min-tokens", "4", "--ignore-eos"])
-    assert generate.check_args(args) == SamplingParams(logit_bias=((3, 2.5), (12, -100.0)), min_tokens=4,
-                                                       ignore_eos=True)
+    assert generate.check_args(args).params == SamplingParams(logit_bias=((3, 2.5), (12, -100.0)), min_tokens=4,
+                                                              ignore_eos=True)
     # one decode-step policy for every path: --compile goes with speculative decoding too
     for draft in (["--prompt-lookup"], ["--draft-quantize", "int4:32"], ["--draft-model", "m"]):
         args = generate.parse_args(["--prompt", "hi", "--compile-prefill", "--temperature", "0", *draft])
-        assert generate.check_args(args) == SamplingParams()
+        assert generate.check_args(args) == generate.Plan(SamplingParams(), None, None, speculating=True)
 
 
 def test_new_tokens_must_fit_the_context():
@@ -280,13 +281,13 @@ def test_summary_and_logprobs_table(capsys):
     c = Completion("<1><2>", [1, 2, 3], "length", prompt_tokens=4, prefilled=2,
                    steps=[Token(1, -0.5, [(1, -0.5), (7, -1.25)]), Token(2, -0.25, [(2, -0.25)]), Token(3, -1.0, [])],
                    ttft_s=0.25, total_s=1.25, second_s=0.75)
-    line = generate.summary(c)
+    line = summary(c)
     assert line.startswith("prompt tokens 4 | prefilled 2 | generated tokens 3 | TTFT 250 ms | decode 2.0 tokens/s")
-    compiled = generate.summary(c, compiled=True)  # the first decode step is the compile: reported apart
+    compiled = summary(c, compiled=True)  # the first decode step is the compile: reported apart
     assert "decode 2.0 tokens/s" in compiled and compiled.endswith("first decode step (compile) 0.5 s")
-    generate.print_logprobs(c, ToyTokenizer(), None)
+    print_logprobs(c, ToyTokenizer(), None)
     assert capsys.readouterr().err == ""
-    generate.print_logprobs(c, ToyTokenizer(), 2)
+    print_logprobs(c, ToyTokenizer(), 2)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 3 and lines[0].split() == ["-0.5000", "'<1>'", "|", "'<1>'", "-0.5000", "'<7>'", "-1.2500"]
 
@@ -611,13 +612,13 @@ def test_generation_config_sets_the_sampling_defaults(capsys, cli_error, configu
     assert set(generate.SAMPLING_DEFAULTS) == set(GENERATION_SAMPLING)
     folder = configured_folder({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": 2})
     args = generate.parse_args(["-p", "hi"])
-    params, found = generate.checkpoint_sampling(args, generate.check_args(args), folder)
+    params, found = generate.checkpoint_sampling(generate.check_args(args), args, folder)
     assert params == SamplingParams(temperature=0.6, top_p=0.9) and found == {"temperature": 0.6, "top_p": 0.9}
     args = generate.parse_args(["-p", "hi", "--temperature", "0", "--top-k", "5"])
-    params, found = generate.checkpoint_sampling(args, generate.check_args(args), folder)
+    params, found = generate.checkpoint_sampling(generate.check_args(args), args, folder)
     assert params == SamplingParams(temperature=0, top_k=5, top_p=0.9) and found == {"top_p": 0.9}
     args = generate.parse_args(["-p", "hi"])
-    assert generate.checkpoint_sampling(args, generate.check_args(args), smollm2_gguf) == (
+    assert generate.checkpoint_sampling(generate.check_args(args), args, smollm2_gguf) == (
         SamplingParams(temperature=0.8), {})
     assert generate.main(["-m", folder, "-p", "hi", "-n", "3", "--compile", "none", "--dtype", "float32"]) == 0
     summary = capsys.readouterr().err.strip().splitlines()[-1]

@@ -1,5 +1,6 @@
 """What the command-line entry points share (generate.py, serve.py and scripts/): the default model, device and dtype
-choice and their flags, numeric flags' ranges, input and output-path checks, text from a file or stdin, --threads, --weights-cache and --version, and one `error:` line instead of a traceback."""
+choice and their flags, numeric flags' ranges, input and output-path checks, text from a file or stdin, --threads,
+--weights-cache and --version, and one `error:` line instead of a traceback."""
 import argparse
 import dataclasses
 import importlib.util

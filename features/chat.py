@@ -160,13 +160,25 @@ def tool_result(messages: list[dict], line: str) -> bool:
     return not set(calls) <= answered
 
 
-def read_turn() -> str | None:
-    """The user's next turn from stdin (a prompt on a terminal); None at its end: an empty line, /exit or EOF."""
-    if sys.stdin.isatty():
-        print("> ", end="", file=sys.stderr, flush=True)
-    line = sys.stdin.readline()
-    turn = line.rstrip("\r\n")
-    return None if not line or turn.strip() in ("", "/exit") else turn
+@dataclass
+class Turns:
+    """The user's turns from stdin, a line each (a prompt on a terminal), read as bytes: bytes that are not UTF-8
+    are a ValueError naming their offset in the stream."""
+    offset: int = 0  # bytes of stdin read so far
+
+    def read(self) -> str | None:
+        """The next turn; None at their end: an empty line, /exit or EOF."""
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        raw = sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else \
+            sys.stdin.readline().encode("utf-8", "surrogateescape")  # a text stream (a test's): bad bytes escaped
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"stdin is not UTF-8 text ({e.reason} at byte {self.offset + e.start})") from None
+        self.offset += len(raw)
+        turn = line.rstrip("\r\n")
+        return None if not line or turn.strip() in ("", "/exit") else turn
 
 
 def chat(out: Output, step: Step, session: Session, messages: list[dict], turn: str | None,
@@ -176,9 +188,10 @@ def chat(out: Output, step: Step, session: Session, messages: list[dict], turn: 
     line "turn N | ...". With tools, `/tool ID RESULT` answers the call ID; the model replies once every call of its
     last reply has its result."""
     compiles = step.mode != "none"  # this turn's first decode step compiles (the first turn's, or after account)
+    turns = Turns()
     for n in itertools.count(1):
         while turn is None or (out.tools is not None and turn.startswith("/tool") and waits(messages, turn)):
-            if (turn := read_turn()) is None:
+            if (turn := turns.read()) is None:
                 return
         if out.tools is None or not turn.startswith("/tool"):
             messages.append({"role": "user", "content": turn})

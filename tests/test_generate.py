@@ -682,3 +682,22 @@ def test_ctrl_c_at_any_moment_exits_130(moment, inherited):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_interactive_turn_that_is_not_utf8(cli_error, monkeypatch, smollm2_gguf):
+    """A chat's stdin with a byte that is not UTF-8 (as the POSIX locale reads it: a lone surrogate) is one error
+    line naming the stream and the byte's offset, before anything is generated."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("caf\udce9\n"))
+    err = error_of(cli_error, ["--model", smollm2_gguf, "--chat", "--interactive", "--temperature", "0"])
+    assert err == "error: stdin is not UTF-8 text (invalid continuation byte at byte 3)", err
+
+
+def test_turns_name_the_byte_offset_in_the_stream(monkeypatch):
+    from features.chat import Turns
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("héllo\n\n".encode() + b"ab\xffc\n")))
+    turns = Turns()
+    assert turns.read() == "héllo" and turns.read() is None and turns.offset == 8
+    with pytest.raises(ValueError, match=r"^stdin is not UTF-8 text \(invalid start byte at byte 10\)$"):
+        turns.read()

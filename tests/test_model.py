@@ -99,7 +99,7 @@ def test_decode_attention_matches_reference_and_one_query_steps(window, dtype):
     """The decode steps' attention on CPU: shared positions (mask (T, S)) and per-row positions (B, 1, T, S); with
     T queries, each equals its one-query call bitwise (a verify row is the decode step's row), and a longer cache
     whose extra slots are masked changes nothing (a batch row attends as the row alone)."""
-    from model import decode_attention
+    from ops.cpu import decode_attention
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(3, 6, 4, 16, generator=g).to(dtype)  # (B, H, T, D)

@@ -241,10 +241,10 @@ def test_compiled_steps_keep_each_models_graphs(tiny):
 def test_compiled_prefill_has_dynamic_length(tiny):
     """--compile-prefill: prompts of several lengths give eager's logits (<= 1e-4); compiled with the length
     symbolic from the start, so later lengths recompile nothing, but for the one switch of attention kernel past
-    DECODE_QUERIES tokens (model.Attention)."""
+    DECODE_QUERIES tokens (ops/cpu.py)."""
     import torch._dynamo
 
-    from model import DECODE_QUERIES
+    from ops.cpu import DECODE_QUERIES
 
     def prefill(step: Step, n: int) -> torch.Tensor:
         cache = KVCache.for_model(tiny.args, 1, 64, torch.float32, "cpu")

@@ -1,12 +1,13 @@
-"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3,
-Phi-3, Gemma 2/3) in plain PyTorch.
+"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3)
+in plain PyTorch: the math only, the reference a device's own paths are tested against.
 
 Shape legend used in the comments:
   B batch, T tokens in this call, S key positions (cache length), C model width,
   H query heads, K key/value heads (GQA: H is a multiple of K), D head dim, V vocab,
   M = B x T token rows, E experts (Mixtral), k experts per token, F one MLP's (or expert's) width.
 The hyper-parameters (ModelArgs) and their mappings to and from checkpoint configs live in config.py; loading and
-converting checkpoints in load.py; the KV cache in kvcache.py.
+converting checkpoints in load.py; the KV cache in kvcache.py; the CPU's attention and one-row products in ops/cpu.py
+(Attention.attend and Linear.product, installed by step.device_paths).
 """
 import dataclasses
 import math
@@ -101,15 +102,14 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, cached: bool) -> torch.Tensor:
-    """Attention.attend's default: q (B, H, T, D), k and v (B, K, S, D), mask (T, S) or (B, 1, T, S); whether k and v
-    are a cache's (`cached`) matters to a device's own path only (ops/cpu.py). enable_gqa lets each group of H/K
-    query heads share one kv head without copying the cache."""
+    """Attention.attend's default: q (B, H, T, D), k and v (B, K, S, D), mask (T, S) or (B, 1, T, S); `cached` is for
+    ops/cpu.py's. enable_gqa lets each group of H/K query heads share one kv head without copying the cache."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
 
 
 class Linear(Parts, nn.Linear):
-    """An nn.Linear, bias-free unless asked (Qwen2's q/k/v). `product(x, weight, bias)` computes it: F.linear, or
-    a device's own path (step.device_paths installs ops/cpu.py's on CPU)."""
+    """An nn.Linear, bias-free unless asked (Qwen2's q/k/v), computed by `product(x, weight, bias)`: F.linear, or a
+    device's own (step.device_paths)."""
     product: Callable = staticmethod(F.linear)
 
     def __init__(self, in_features: int, out_features: int, parts: dict[str, int] | None = None, bias: bool = False):
@@ -137,7 +137,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    attend: Callable = staticmethod(sdpa)  # or a device's own (step.device_paths installs ops/cpu.py's on CPU)
+    attend: Callable = staticmethod(sdpa)  # or a device's own (step.device_paths)
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -33,9 +33,11 @@ class LayerKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         mark_static(self.k, self.v)
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (B, K, T, D) at positions input_pos, (T,) or per row (B, T);
-        return the whole (B, K, S, D) buffers."""
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               k_unrotated: torch.Tensor | None = None):
+        """Write k, v (B, K, T, D) at positions input_pos, (T,) or per row (B, T); return the whole (B, K, S, D)
+        buffers. k_unrotated, the keys before RoPE, is for a cache that rotates keys as it reads them
+        (sinks.SinkLayer); every cache here stores k."""
         if input_pos.dim() == 1:
             self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
             self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
@@ -67,9 +69,10 @@ class Int8LayerKVCache:
         scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127  # (B, K, T, 1)
         return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Quantize and write k, v (B, K, T, D) at input_pos, (T,) or per row (B, T);
-        return the whole cache dequantized, (B, K, S, D) in the model dtype."""
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               k_unrotated: torch.Tensor | None = None):
+        """Quantize and write k, v (B, K, T, D) at input_pos, (T,) or per row (B, T); return the whole cache
+        dequantized, (B, K, S, D) in the model dtype. k_unrotated: as LayerKVCache.update's, unused."""
         (kq, ks), (vq, vs) = self.quantize(k), self.quantize(v)
         if input_pos.dim() == 1:
             for buf, new in ((self.k, kq), (self.k_scale, ks), (self.v, vq), (self.v_scale, vs)):
@@ -178,9 +181,10 @@ class PagedLayer:
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, block_size: int):
         self.k_pool, self.v_pool, self.tables, self.block_size = k_pool, v_pool, block_tables, block_size
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               k_unrotated: torch.Tensor | None = None):
         """Write k, v (B, K, T, D) at positions input_pos ((T,) or (B, T)) into the rows' blocks; return every
-        row's blocks gathered, (B, K, S, D)."""
+        row's blocks gathered, (B, K, S, D). k_unrotated: as LayerKVCache.update's, unused."""
         B, K, T, D = k.shape
         pos = input_pos.expand(B, T)  # (B, T)
         blocks = self.tables.gather(1, pos // self.block_size)  # (B, T) block ids

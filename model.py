@@ -1,12 +1,13 @@
-"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3,
-Phi-3, Gemma 2/3) in plain PyTorch.
+"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3)
+in plain PyTorch: the math only, the reference a device's own paths are tested against.
 
 Shape legend used in the comments:
   B batch, T tokens in this call, S key positions (cache length), C model width,
   H query heads, K key/value heads (GQA: H is a multiple of K), D head dim, V vocab,
   M = B x T token rows, E experts (Mixtral), k experts per token, F one MLP's (or expert's) width.
 The hyper-parameters (ModelArgs) and their mappings to and from checkpoint configs live in config.py; loading and
-converting checkpoints in load.py; the KV cache in kvcache.py.
+converting checkpoints in load.py; the KV cache in kvcache.py; the CPU's attention and one-row products in ops/cpu.py
+(Attention.attend and Linear.product, installed by step.device_paths).
 """
 import dataclasses
 import math
@@ -17,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from config import ModelArgs
+from formats.parts import Parts
 from kvcache import KVCache, LayerKVCache
 
 
@@ -99,77 +101,16 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int
     return mask
 
 
-DECODE_QUERIES = 16  # a cached forward of at most this many tokens (a speculative verify) attends as decode steps do
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v for a few queries per row, written out: q (B, H, T, D), k and v (B, K, S, D),
-    mask (T, S) or (B, 1, T, S). Each query is its own item of the two batched matmuls, so a T-query forward (a
-    speculative verify) computes every query exactly as a one-query decode step does: one (T*G, S) product per kv
-    head would not, since a matmul's blocking, and so its rounding, depends on its row count (README, Exactness).
-    torch's CPU SDPA kernel tiles over queries, which is slow for one query per row. The products run in float32:
-    torch's CPU batched matmul is slower in bf16 at these sizes by more than the cast of the cache costs."""
-    B, H, T, D = q.shape
-    K, S = k.shape[1], k.shape[2]
-    G = H // K  # query heads per kv head
-    qg = q.float().view(B, K, G, T, D).transpose(2, 3).reshape(B * K * T, G, D)  # (B*K*T, G, D)
-    # each query's own view of its kv head; a copy only when T > 1
-    kt = k.float()[:, :, None].expand(B, K, T, S, D).reshape(B * K * T, S, D)  # (B*K*T, S, D)
-    vt = v.float()[:, :, None].expand(B, K, T, S, D).reshape(B * K * T, S, D)  # (B*K*T, S, D)
-    scores = torch.bmm(qg, kt.transpose(1, 2)) / math.sqrt(D)  # (B*K*T, G, S)
-    scores = torch.where(mask.reshape(-1, 1, T, 1, S), scores.view(B, K, T, G, S), float("-inf"))  # (B, K, T, G, S)
-    p = torch.softmax(scores, dim=-1).view(B * K * T, G, S)  # (B*K*T, G, S)
-    y = torch.bmm(p, vt).view(B, K, T, G, D)  # (B, K, T, G, D)
-    return y.permute(0, 1, 3, 2, 4).reshape(B, H, T, D).to(q.dtype)  # (B, H, T, D)
-
-
-class Parts:
-    """A linear that checkpoints store as several tensors: `parts` {checkpoint name: rows} in row order (qkv_proj:
-    q_proj | k_proj | v_proj), or None for one stored as itself. A loader hands in each part as it reads it
-    (load_part); parts_state gives them back. quantize.py's Int8Linear / Int4Linear mix it in too (ROW_DIMS)."""
-    parts: dict[str, int] | None = None
-    ROW_DIMS: dict[str, int] = {}  # a tensor whose output rows are not its dim 0
-
-    def row_counts(self) -> tuple[int, ...]:
-        """The row counts a weight handed to this module may have: its own, or one part's."""
-        return (self.out_features, *(self.parts or {}).values())
-
-    def part_rows(self, i: int) -> tuple[int, int]:
-        """(first row, rows) of part i."""
-        sizes = list(self.parts.values()) if self.parts else [self.out_features]
-        return sum(sizes[:i]), sizes[i]
-
-    def load_part(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Part i's tensors (name -> tensor, as a checkpoint stores them) into this module: a linear stored as
-        itself takes them as they are; a fused one copies their rows into its own, made (zeros) by the first part
-        to arrive, so rows past the parts' (padding) stay zero. Rows past a part's own are padding: dropped."""
-        start, n = self.part_rows(i)
-        for name, t in tensors.items():
-            current = getattr(self, name)
-            if self.parts is None:
-                assert t.shape == current.shape, f"{name}: {tuple(t.shape)} vs {tuple(current.shape)}"
-                new = t
-            else:
-                dim = self.ROW_DIMS.get(name, 0)
-                new = torch.zeros(current.shape, dtype=t.dtype, device=t.device) if current.is_meta else current
-                new.narrow(dim, start, n).copy_(t.narrow(dim, 0, n))
-            if new is not current:
-                setattr(self, name, nn.Parameter(new, requires_grad=False) if name in self._parameters else new)
-
-    def parts_state(self) -> list[dict[str, torch.Tensor]]:
-        """Each part's tensors as a checkpoint stores them (views of this module's rows); unfused, [state_dict()]."""
-        state = self.state_dict()
-        if self.parts is None:
-            return [state]
-        return [{name: t.narrow(self.ROW_DIMS.get(name, 0), *self.part_rows(i)) for name, t in state.items()}
-                for i in range(len(self.parts))]
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, cached: bool) -> torch.Tensor:
+    """Attention.attend's default: q (B, H, T, D), k and v (B, K, S, D), mask (T, S) or (B, 1, T, S); `cached` is for
+    ops/cpu.py's. enable_gqa lets each group of H/K query heads share one kv head without copying the cache."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
 
 
 class Linear(Parts, nn.Linear):
-    """An nn.Linear, bias-free unless asked (Qwen2's q/k/v). Compiled on CPU with float32 weights, a one-row product
-    is written as a multiply-and-sum: Inductor makes that a vectorized reduction that streams the weight about twice
-    as fast as the GEMV of torch's matmul libraries (README, Benchmarks). bf16 weights keep F.linear: there MKL's
-    GEMV is the faster one. Eager, batched or on CUDA it is F.linear."""
+    """An nn.Linear, bias-free unless asked (Qwen2's q/k/v), computed by `product(x, weight, bias)`: F.linear, or a
+    device's own (step.device_paths)."""
+    product: Callable = staticmethod(F.linear)
 
     def __init__(self, in_features: int, out_features: int, parts: dict[str, int] | None = None, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
@@ -177,12 +118,7 @@ class Linear(Parts, nn.Linear):
         assert parts is None or sum(parts.values()) == out_features, f"{parts} vs {out_features} rows"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        one_row = x.device.type == "cpu" and x.shape[:-1].numel() == 1
-        if one_row and self.weight.dtype == torch.float32 and torch.compiler.is_compiling():
-            y = (self.weight * x.reshape(1, -1).float()).sum(-1)  # (N,)
-            y = y if self.bias is None else y + self.bias
-            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+        return self.product(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -201,11 +137,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    attend: Callable = staticmethod(sdpa)  # or a device's own (step.device_paths)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         # q, k and v as one weight (rows q | k | v): one larger matmul instead of three. Checkpoints keep
-        # q_proj/k_proj/v_proj, the parts the loader hands in (Parts); Phi-3's store qkv_proj itself.
+        # q_proj/k_proj/v_proj, the parts the loader hands in (formats/parts.py); Phi-3's store qkv_proj itself.
         q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         parts = None if args.fused_checkpoint else {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
         self.qkv_proj = Linear(args.dim, q_rows + 2 * kv_rows, parts, bias=args.qkv_bias)
@@ -224,20 +162,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)  # (B, T, H+K, D)
         qk = qk.transpose(1, 2)  # (B, H+K, T, D)
-        if getattr(cache, "rotates_keys", False):  # keys stored before RoPE, rotated as read (sinks.SinkLayer)
-            q, k = apply_rope(qk[:, :H], cos, sin), qk[:, H:]  # (B, H, T, D), (B, K, T, D)
-        else:
-            q, k = apply_rope(qk, cos, sin).split([H, K], dim=1)  # q and k in one go: (B, H, T, D), (B, K, T, D)
+        q, k = apply_rope(qk, cos, sin).split([H, K], dim=1)  # q and k in one go: (B, H, T, D), (B, K, T, D)
         v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
-        if cache is not None:
-            k, v = cache.update(input_pos, k, v)  # (B, K, S, D): every slot, the mask hides unwritten ones
+        if cache is not None:  # the keys before RoPE too, for a cache that rotates them as read (sinks.SinkLayer)
+            k, v = cache.update(input_pos, k, v, k_unrotated=qk[:, H:])  # (B, K, S, D): the mask hides unwritten slots
         if self.scale is not None or self.softcap is not None:
             y = written_attention(q, k, v, mask, self.scale or D ** -0.5, self.softcap)
-        elif q.device.type == "cpu" and (T == 1 or cache is not None and T <= DECODE_QUERIES):
-            y = decode_attention(q, k, v, mask)  # decode steps and verifies
         else:
-            # enable_gqa lets each group of H/K query heads share one kv head without copying the cache.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
+            y = self.attend(q, k, v, mask, cache is not None)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y)
 
@@ -335,7 +267,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """Parameter names follow Hugging Face's (without the `model.` prefix), except the fused qkv_proj and
-    gate_up_proj, which take a checkpoint's q/k/v and gate/up tensors as their parts (Parts)."""
+    gate_up_proj, which take a checkpoint's q/k/v and gate/up tensors as their parts (formats/parts.py)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -5,7 +5,8 @@ loop and its draft, the engine, bench.py). `Step(model, mode)` is bound to its m
 what ran (generate.py's summary line, the server's log, bench.py) reads it.
 
 Prefill is compute-bound and runs eager; a decode step reads every weight for one token, so on CPU its time goes
-to per-op dispatch as much as to bandwidth, which compiling removes (README, Benchmarks).
+to per-op dispatch as much as to bandwidth, which compiling removes (dev/LOG.md). On CPU the model's attention and
+linear layers take the CPU's own paths (device_paths, ops/cpu.py).
 
 Shape legend: B rows, T tokens fed, V vocab.
 """
@@ -16,14 +17,15 @@ from contextlib import contextmanager
 
 import torch
 
-from ops.invariant import BatchInvariant
 from kvcache import KVCache
-from model import DECODE_QUERIES, Block, Transformer
+from model import Attention, Block, Linear, Transformer
+from ops import cpu
+from ops.invariant import BatchInvariant
 from quantize import Int8Linear, compiled_head
 
 COMPILE_MODES = ("auto", "none", "blocks", "full")
 # The decode steps after which compiling the blocks saves more than it costs on CPU: 2-6 s to compile with a warm
-# Inductor cache (more with a cold one) against 3-8 ms saved a step (README, Benchmarks).
+# Inductor cache (more with a cold one) against 3-8 ms saved a step (dev/LOG.md).
 COMPILE_PAYS_AFTER = 1000
 COMPILE_HELP = ("none: eager; blocks: one compiled graph for every layer's decode step (seconds to compile); "
         "full: the whole decode step as one graph (about a minute to compile on CPU, fastest); auto "
@@ -31,6 +33,19 @@ COMPILE_HELP = ("none: eager; blocks: one compiled graph for every layer's decod
         f"{COMPILE_PAYS_AFTER} new tokens, or a chat once it has decoded that many), else none")
 DETERMINISTIC_HELP = ("batch-invariant forwards: a request's logits are bitwise the same whatever else is batched "
         "with it, however its prefill is chunked and whether its prefix was cached (eager; slower: README, Exactness)")
+
+
+def device_paths(model: Transformer) -> Transformer:
+    """Give the model's attention and linear layers the paths of the device it is on: the CPU's own (ops/cpu.py)
+    on CPU, the model's plain SDPA and F.linear elsewhere. Step calls it, and so does what runs a model outside a
+    Step (gptq.sampled_sequences, scripts/streaming.py)."""
+    on_cpu = model.embed_tokens.weight.device.type == "cpu"
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.attend = cpu.attention if on_cpu else Attention.attend  # model.sdpa
+        elif isinstance(module, Linear):
+            module.product = cpu.linear if on_cpu else Linear.product  # F.linear
+    return model
 
 
 def forward_logits(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
@@ -80,7 +95,7 @@ def own_code(fn: Callable) -> Callable:
 def skip_module_guards(guards) -> list[bool]:
     """Dynamo's guard filter for the full step: keep every guard except those on the model's modules. Dynamo checks
     its guards before every call, and nearly all of them check that each module still has its attributes, types
-    and no hooks: a large part of a small model's CPU step (README, Benchmarks). A model does not change once built;
+    and no hooks: a large part of a small model's CPU step (dev/LOG.md). A model does not change once built;
     each Step compiles code of its own (own_code); the KV cache, the inputs and global state stay guarded."""
     return [not g.orig_guard.source.is_unspecialized_nn_module() for g in guards]
 
@@ -127,8 +142,8 @@ def check_deterministic(mode: str, compile_prefill: bool, model: Transformer | N
 
 class Step:
     """One model's forwards. "none": eager. "blocks": each decode step (and each verify: every position's logits,
-    at most DECODE_QUERIES tokens) runs its layers through one compiled Block.forward; the layers share their code
-    and shapes, so one graph serves all of them (and later processes, from Inductor's cache): seconds to compile
+    at most cpu.DECODE_QUERIES tokens) runs its layers through one compiled Block.forward; the layers share their
+    code and shapes, so one graph serves all of them (and later processes, from Inductor's cache): seconds to compile
     where the whole step takes about a minute. A verify's own graph (its token count symbolic after the second
     count) computes each row as the decode step's graph does, so greedy speculative == plain greedy (README,
     Exactness). "full": the whole one-token step as one graph (CUDA graphs on GPU), and with compile_prefill the
@@ -156,6 +171,7 @@ class Step:
             # Which experts run depends on the router's output, and each expert is its own module (so quantization
             # and tensor parallelism treat it as a dense MLP): a graph cannot pick a module by a computed index.
             raise ValueError("--compile does not support mixture-of-experts models (Mixtral); run with --compile none")
+        device_paths(model)
         self.set_up(compile_prefill)
 
     def set_up(self, compile_prefill: bool = False) -> None:
@@ -163,7 +179,7 @@ class Step:
         cpu = self.model.embed_tokens.weight.device.type == "cpu"
         compiled_head(self.model, self.mode == "blocks")  # a Q8_0 head's words where the load made them (AVX2)
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
-        # first compile (README, Benchmarks).
+        # first compile (dev/LOG.md).
         options = {"cpp_wrapper": True, **vector_width(self.model)} if cpu and self.mode != "none" else {}  # 3 s
         if self.mode == "blocks":
             # Dynamo keeps its graphs on the code object, guarded on the module types (those guards stay): every
@@ -214,7 +230,7 @@ class Step:
             with BatchInvariant():
                 return forward_logits(model, tokens, input_pos, cache, all_logits)
         try:
-            if self.mode == "blocks" and (T == 1 or all_logits and T <= DECODE_QUERIES):
+            if self.mode == "blocks" and (T == 1 or all_logits and T <= cpu.DECODE_QUERIES):
                 return eager(model, tokens, input_pos, cache, all_logits, block=self.block)
             if self.mode == "full":
                 if T > 1:

@@ -39,6 +39,7 @@ from kvcache import KVCache
 from model import RMSNorm
 from quantize import (KERNEL_DTYPE, Int4Linear, dequantize_int4, make_quantized_linear, parse_mode, quantization_of,
                       quantize_int4, unpermute_columns)
+from step import device_paths
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq", "round", "awq+round")
 DAMP = 0.01  # GPTQ's damping: this fraction of H's mean diagonal added to it (the paper's default)
@@ -373,6 +374,7 @@ def sampled_sequences(model: nn.Module, tokens: list[int], n_tokens: int, seq_le
     of `tokens` (the calibration text) at a seeded random place and goes on by sampling the model's own distribution
     (temperature 1), batch sequences at a time. Text the model finds likely spreads its activations as the text it
     will be asked to continue does, which a short calibration file does not."""
+    device_paths(model)  # its device's attention and linear paths, as a Step's model has them
     device = model.embed_tokens.weight.device
     generator = torch.Generator().manual_seed(seed)
     n_seqs, n = -(-n_tokens // seq_len), min(4, len(tokens) - 1)

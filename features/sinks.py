@@ -76,16 +76,16 @@ class SinkLayer:
     """One layer of a SinkKVCache over a layer of its inner cache (LayerKVCache, Int8LayerKVCache or PagedLayer):
     writes each position's keys (before RoPE) and values into its slot, returns the keys rotated to their slots'
     positions."""
-    rotates_keys = True  # model.Attention hands in keys before RoPE
 
     def __init__(self, inner, sinks: int | torch.Tensor, window: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
         self.inner, self.sinks, self.window = inner, sinks, window
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # the model's tables, (max_seq_len, R/2) float32
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k (before RoPE) and v, (B, K, T, D), for positions input_pos ((T,) or (B, T)); return every slot's
-        keys rotated and values, (B, K, S, D)."""
-        keys, values = self.inner.update(slot_of(input_pos, self.sinks, self.window), k, v)  # (B, K, S, D)
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_unrotated: torch.Tensor):
+        """Write the keys before RoPE (k_unrotated; k, rotated at the positions the model sees, is not stored) and v,
+        (B, K, T, D), for positions input_pos ((T,) or (B, T)); return every slot's keys rotated and values,
+        (B, K, S, D)."""
+        keys, values = self.inner.update(slot_of(input_pos, self.sinks, self.window), k_unrotated, v)  # (B, K, S, D)
         k_pos = slot_positions(input_pos[..., -1:], self.sinks, self.window, keys.shape[2])  # (S,) or (B, S)
         k_pos = k_pos.clamp(max=self.window - 1)  # a hidden slot's rotation does not matter
         # the model's rounding of its tables to the activations' dtype (Transformer.inputs)

@@ -4,7 +4,7 @@ a tied matrix once), the strict name/shape check, and Filler, which assigns each
 Loading is strict: every expected tensor present, nothing unexpected, every shape checked before any weight is
 read (check_tensors), and at the end every expected tensor filled, once, and nothing left on the meta device
 (Filler.finish). The model is built on the meta device and each tensor converted and assigned as it is read, so peak
-memory stays near the final weight bytes. A fused linear (q/k/v, gate/up: model.Parts) takes each of its checkpoint
+memory stays near the final weight bytes. A fused linear (q/k/v, gate/up: formats/parts.py) takes each of its checkpoint
 parts into its own rows as they arrive. Which file a tensor comes from, and how it is decoded, is load.py's.
 """
 from collections.abc import Iterator
@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-from model import Parts, Transformer
+from formats.parts import Parts
+from model import Transformer
 from quantize import Int4Linear, Int8GroupLinear, Int8Linear, dequantize_state
 
 

@@ -30,8 +30,8 @@ from safetensors.torch import load_file, save_file
 from quantize import Int4Linear
 
 # The modules whose code decides a loaded model's tensors: their source is part of every key.
-SOURCES = ("config", "formats.checkpoint", "formats.gguffile", "formats.weightcache", "load", "model", "ops.gemv",
-           "ops.qkernels", "quantize")
+SOURCES = ("config", "formats.checkpoint", "formats.gguffile", "formats.parts", "formats.weightcache", "load", "model",
+           "ops.gemv", "ops.qkernels", "quantize")
 KEEP = 2  # entries kept per source file (other dtypes or quantization requests), newest first
 SUFFIX = ".safetensors"
 

@@ -14,7 +14,7 @@ swapped, while the mode is on, for one that calls the library with one fixed sha
   products over the reduced dim summed in order, so a key past a query's own (its probability masked to 0) adds
   an exact zero;
 - softmax: the max, exp, and a sum in order (cumsum), over the last dim padded with -inf to a multiple of BLOCK;
-- F.scaled_dot_product_attention: written out with those, as model.decode_attention computes it (float32, scores
+- F.scaled_dot_product_attention: written out with those, as ops.cpu.decode_attention computes it (float32, scores
   / sqrt(D)), so a query gets the same bits whether a decode step, a verify or a long prefill chunk computes it.
 Row-wise ops (RMSNorm, the activations, RoPE, the embedding) compute each row alone already.
 
@@ -82,7 +82,7 @@ def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torc
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False) -> torch.Tensor:
-    """F.scaled_dot_product_attention as model.decode_attention computes it, with the ops above: q (B, H, T, D),
+    """F.scaled_dot_product_attention as ops.cpu.decode_attention computes it, with the ops above: q (B, H, T, D),
     k and v (B, K, S, D), attn_mask (T, S) or (B, 1, T, S), True where a query attends."""
     assert dropout_p == 0.0 and not is_causal and scale is None, "the model calls SDPA with a mask and no scale"
     B, H, T, D = q.shape

@@ -27,7 +27,7 @@ from model import Transformer
 from sample import SamplingParams
 from scripts.quality import load_eval_tokens
 from features.sinks import SinkKVCache, SinkWindow
-from step import COMPILE_MODES, Step
+from step import COMPILE_MODES, Step, device_paths
 from tokenizer import load_tokenizer
 
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "pride_and_prejudice_ch1-11.txt")
@@ -42,6 +42,7 @@ def nll(logits: torch.Tensor, targets: list[int]) -> list[float]:
 def full_nlls(model: Transformer, tokens: list[int], chunk: int = 1024) -> list[float]:
     """NLL of tokens 1..n-1, n at most the model's context, through a KVCache holding them all (chunked prefill)."""
     n = min(len(tokens), model.args.max_seq_len)
+    device_paths(model)  # the CPU's attention and linear paths, as streaming_nlls's Step has them
     cache = KVCache.for_model(model.args, 1, n, model.embed_tokens.weight.dtype, "cpu")
     out = []
     for a in range(0, n - 1, chunk):

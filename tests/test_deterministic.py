@@ -18,7 +18,7 @@ from cli import native_bf16
 from decode import new_cache
 from serving.engine import Engine, EngineConfig, Request
 from helpers import ToyTokenizer
-from model import decode_attention
+from ops.cpu import decode_attention
 from quantize import make_quantized_linear, parse_mode
 from sample import SamplingParams
 from step import Step
@@ -94,7 +94,7 @@ def test_softmax_is_invariant_to_masked_tails():
 
 def test_attention_is_sdpa_and_every_path_gives_a_query_the_same_bits():
     """invariant.attention against the plain definition, and a query's output bitwise the same whether SDPA (long
-    prefill chunks) or model.decode_attention (decode steps, short chunks) computes it under the mode."""
+    prefill chunks) or ops.cpu.decode_attention (decode steps, short chunks) computes it under the mode."""
     torch.manual_seed(0)
     B, H, K, T, S, D = 2, 6, 2, 20, 50, 16
     q, k, v = torch.randn(B, H, T, D), torch.randn(B, K, S, D), torch.randn(B, K, S, D)

@@ -1,4 +1,6 @@
 """The model against Hugging Face transformers on random weights, and its cached paths against the uncached one."""
+import os
+
 import pytest
 import torch
 
@@ -99,7 +101,7 @@ def test_decode_attention_matches_reference_and_one_query_steps(window, dtype):
     """The decode steps' attention on CPU: shared positions (mask (T, S)) and per-row positions (B, 1, T, S); with
     T queries, each equals its one-query call bitwise (a verify row is the decode step's row), and a longer cache
     whose extra slots are masked changes nothing (a batch row attends as the row alone)."""
-    from model import decode_attention
+    from ops.cpu import decode_attention
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(3, 6, 4, 16, generator=g).to(dtype)  # (B, H, T, D)
@@ -216,3 +218,14 @@ def test_per_row_positions_match_single_rows(pair):
     for b, n in enumerate(lengths):
         alone = ours(seqs[b][None], torch.arange(n + new), all_logits=True)[0, n - 1:]
         assert (torch.stack(got[b]) - alone).abs().max() <= 1e-5
+
+
+def test_model_py_is_the_math_only():
+    """model.py reads in one sitting (at most 350 lines) and holds no compiler, device or cache-kind policy: the CPU's
+    own paths are ops/cpu.py's (step.device_paths), a rolling cache's raw keys are its own (update's k_unrotated)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model.py")
+    source = open(path, encoding="utf-8").read()
+    assert len(source.splitlines()) <= 350, len(source.splitlines())
+    for policy in ("torch.compiler", "is_compiling", "device.type", "is_cuda", "cpu_capability", "rotates_keys",
+                   "isinstance(cache"):
+        assert policy not in source, policy

@@ -114,7 +114,7 @@ def test_keys_read_are_the_kept_keys_rotated_from_scratch(tiny):
     layer = SinkLayer(LayerKVCache(1, K, W, D, torch.float32, "cpu"), S, W, tiny.rope_cos, tiny.rope_sin)
     raw_k, raw_v = torch.randn(1, K, 4 * W, D), torch.randn(1, K, 4 * W, D)  # (1, K, positions, D)
     for p in range(4 * W):
-        keys, values = layer.update(torch.tensor([p]), raw_k[:, :, p:p + 1], raw_v[:, :, p:p + 1])  # (1, K, W, D)
+        keys, values = layer.update(torch.tensor([p]), None, raw_v[:, :, p:p + 1], k_unrotated=raw_k[:, :, p:p + 1])
         k_pos = slot_positions(torch.tensor([p]), S, W, W)
         order = kept(p + 1, S, W)
         visible = [int((k_pos == i).nonzero()) for i in range(len(order))]  # slot of cache position i

@@ -10,7 +10,7 @@ import torch
 from ops import gemv
 from helpers import run_py
 from kvcache import KVCache
-from step import COMPILE_PAYS_AFTER, Step, auto_mode, eager, gemv_backend
+from step import COMPILE_PAYS_AFTER, Step, auto_mode, device_paths, eager, gemv_backend
 
 
 def test_step_modes(tiny):
@@ -44,6 +44,34 @@ def test_loops_refuse_a_step_of_another_model(tiny):
 
     with pytest.raises(AssertionError, match="a Step runs the model it was made for"):
         list(generate(tiny, [1, 2, 3], max_new_tokens=2, step=Step(copy.deepcopy(tiny))))
+
+
+def test_step_installs_the_cpus_paths_and_they_agree_with_the_models(tiny):
+    """A model runs its plain SDPA and F.linear until step.device_paths (which Step calls) gives it ops/cpu.py's on
+    CPU; a prefill and decode steps through those agree with the plain ones (<= 1e-5), and a model moved off the CPU
+    gets its plain paths back."""
+    from model import Attention, Linear, Transformer, sdpa
+    from ops import cpu
+
+    plain = Transformer(tiny.args)
+    plain.load_state_dict(tiny.state_dict())
+    attn, linears = plain.layers[0].self_attn, [m for m in plain.modules() if isinstance(m, Linear)]
+    assert attn.attend is sdpa and all(m.product is torch.nn.functional.linear for m in linears)
+    fast = copy.deepcopy(plain)
+    Step(fast)
+    assert all(a.attend is cpu.attention for a in fast.modules() if isinstance(a, Attention))
+    assert all(m.product is cpu.linear for m in fast.modules() if isinstance(m, Linear))
+
+    def decode(forward) -> torch.Tensor:  # a 3-token prefill and 4 decode steps: logits (5, V)
+        cache = KVCache.for_model(tiny.args, 1, 8, torch.float32, "cpu")
+        out = [forward(torch.tensor([[1, 2, 3]]), torch.arange(3), cache)]
+        out += [forward(torch.tensor([[pos]]), torch.tensor([pos]), cache) for pos in range(3, 7)]
+        return torch.cat(out)
+
+    want, got = decode(lambda *a: plain(*a)[:, -1]), decode(Step(fast))
+    assert (got - want).abs().max() <= 1e-5
+    device_paths(fast.to("meta"))
+    assert all(a.attend is sdpa for a in fast.modules() if isinstance(a, Attention))
 
 
 def greedy_steps(step: Step, prompt: list[int], n: int, rows: int = 1) -> torch.Tensor:
@@ -241,10 +269,10 @@ def test_compiled_steps_keep_each_models_graphs(tiny):
 def test_compiled_prefill_has_dynamic_length(tiny):
     """--compile-prefill: prompts of several lengths give eager's logits (<= 1e-4); compiled with the length
     symbolic from the start, so later lengths recompile nothing, but for the one switch of attention kernel past
-    DECODE_QUERIES tokens (model.Attention)."""
+    DECODE_QUERIES tokens (ops/cpu.py)."""
     import torch._dynamo
 
-    from model import DECODE_QUERIES
+    from ops.cpu import DECODE_QUERIES
 
     def prefill(step: Step, n: int) -> torch.Tensor:
         cache = KVCache.for_model(tiny.args, 1, 64, torch.float32, "cpu")

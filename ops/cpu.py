@@ -1,0 +1,54 @@
+"""The CPU's own paths for a model's attention and linear layers, which step.device_paths installs on a CPU model
+(model.Attention.attend, model.Linear.product): a decode step's attention written out, and a one-row product that a
+compiled step computes as a vectorized reduction. The model's own paths (SDPA, F.linear) are the reference they are
+tested against (tests/test_model.py).
+
+Shape legend: B batch, T queries, S key positions, H query heads, K kv heads, G = H / K, D head dim, N output rows.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+DECODE_QUERIES = 16  # a cached forward of at most this many tokens (a speculative verify) attends as decode steps do
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v for a few queries per row, written out: q (B, H, T, D), k and v (B, K, S, D),
+    mask (T, S) or (B, 1, T, S). Each query is its own item of the two batched matmuls, so a T-query forward (a
+    speculative verify) computes every query exactly as a one-query decode step does: one (T*G, S) product per kv
+    head would not, since a matmul's blocking, and so its rounding, depends on its row count (README, Exactness).
+    torch's CPU SDPA kernel tiles over queries, which is slow for one query per row. The products run in float32:
+    torch's CPU batched matmul is slower in bf16 at these sizes by more than the cast of the cache costs."""
+    B, H, T, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    G = H // K  # query heads per kv head
+    qg = q.float().view(B, K, G, T, D).transpose(2, 3).reshape(B * K * T, G, D)  # (B*K*T, G, D)
+    # each query's own view of its kv head; a copy only when T > 1
+    kt = k.float()[:, :, None].expand(B, K, T, S, D).reshape(B * K * T, S, D)  # (B*K*T, S, D)
+    vt = v.float()[:, :, None].expand(B, K, T, S, D).reshape(B * K * T, S, D)  # (B*K*T, S, D)
+    scores = torch.bmm(qg, kt.transpose(1, 2)) / math.sqrt(D)  # (B*K*T, G, S)
+    scores = torch.where(mask.reshape(-1, 1, T, 1, S), scores.view(B, K, T, G, S), float("-inf"))  # (B, K, T, G, S)
+    p = torch.softmax(scores, dim=-1).view(B * K * T, G, S)  # (B*K*T, G, S)
+    y = torch.bmm(p, vt).view(B, K, T, G, D)  # (B, K, T, G, D)
+    return y.permute(0, 1, 3, 2, 4).reshape(B, H, T, D).to(q.dtype)  # (B, H, T, D)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, cached: bool) -> torch.Tensor:
+    """model.Attention's attend on CPU: decode steps and verifies (a cached forward of at most DECODE_QUERIES
+    tokens) through decode_attention, longer forwards (prefill) through SDPA, which is faster for many queries."""
+    if q.shape[2] == 1 or cached and q.shape[2] <= DECODE_QUERIES:
+        return decode_attention(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """model.Linear's product on CPU. Compiled with float32 weights, a one-row product is written as a
+    multiply-and-sum: Inductor makes that a vectorized reduction that streams the weight about twice as fast as the
+    GEMV of torch's matmul libraries (dev/LOG.md). bf16 weights keep F.linear: there MKL's GEMV is the faster one.
+    Eager or batched it is F.linear."""
+    if x.shape[:-1].numel() == 1 and weight.dtype == torch.float32 and torch.compiler.is_compiling():
+        y = (weight * x.reshape(1, -1).float()).sum(-1)  # (N,)
+        y = y if bias is None else y + bias
+        return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)  # (..., N)
+    return F.linear(x, weight, bias)

@@ -38,20 +38,21 @@ from features import tp
 from cli import (DTYPES, FALLBACK_MODEL, THREADS_HELP, WEIGHTS_CACHE_HELP, check_seed, check_text, default_model,
                  pick_device, pick_dtype, read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line,
                  weights_cache)
-from decode import UNBOUNDED, Session, check_request, fit_new_tokens, generate, generate_batch
-from features.grammar import Compiler, Constraint, Grammar, check_constraint, json_schema_arg
+from decode import UNBOUNDED, Session, check_request, generate, generate_batch
+from features.constraint import Constraint, Grammar, check_constraint, json_schema_arg
+from features.grammar import Compiler
 from formats.hffolder import generation_defaults
 from load import load_model, resolve_model_path
 from model import Transformer
 from quantize import describe, parse_mode, weight_bytes
-from sample import SamplingParams
+from params import SamplingParams, fit_new_tokens
 from features.sinks import SinkWindow
 import speculative
 from speculative import ModelDraft, PromptLookupDraft, SpecStats
 from step import COMPILE_HELP, COMPILE_MODES, COMPILE_PAYS_AFTER, DETERMINISTIC_HELP, Step, check_deterministic
 from text import Completion, check_stop, complete, complete_batch, completion_json
 from tokenizer import load_tokenizer
-from features.tools import CHOICES, ToolRequest, finish_reason, message as tool_message, tool_request
+from features.tools import CHOICES, ToolRequest, message as tool_message, tool_calls_reason, tool_request
 
 DEFAULT_NEW_TOKENS = 200  # --max-new-tokens when not given (fewer when the prompt leaves less of the context)
 # The sampling flags a checkpoint's generation_config.json may give defaults for (hffolder.GENERATION_SAMPLING), and
@@ -649,7 +650,7 @@ def reply(args: argparse.Namespace, tokens, tokenizer, prompt_tokens: int, prefi
     if args.json:
         out = completion_json(c, tokenizer)
         if tools is not None:
-            out.update(content=content, tool_calls=calls, finish_reason=finish_reason(c.finish_reason, calls))
+            out.update(content=content, tool_calls=calls, finish_reason=tool_calls_reason(c.finish_reason, calls))
         print(json.dumps(out, ensure_ascii=False), flush=True)
     else:
         print("" if not calls else ("\n" if content else "") + json.dumps({"tool_calls": calls}, ensure_ascii=False),

@@ -1,6 +1,7 @@
 """The OpenAI protocol's requests, without a server: a request body -> a Call (the engine Requests to submit and
 how to answer them), /tokenize and /detokenize bodies, errors in OpenAI's format; BadRequest names the field at
-fault. Pure functions, testable without HTTP, torch or the model (answer.py shapes the answers; app.py does the HTTP)."""
+fault. Pure functions, testable without HTTP, torch or the model (answer.py shapes the answers; app.py does the
+HTTP)."""
 import json
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -2,7 +2,8 @@
 sampling step every loop (plain, batched, engine) calls.
 
 Order: penalties -> logit bias -> grammar masks -> min_tokens (stop ids held back) -> temperature -> top-k ->
-top-p -> min-p -> draw. Temperature 0 is greedy (argmax of the processed logits), not a tiny float.
+top-p -> min-p -> draw. Temperature 0 is greedy (argmax of the processed logits), not a tiny float. The knobs
+(SamplingParams, checked when built) and the Token a step gives are params.py's, which needs no torch.
 Shape legend: B rows, V vocab.
 """
 from collections.abc import Sequence

@@ -11,6 +11,7 @@ KINDS = ("json_schema", "json_object", "regex", "grammar", "lark")
 # One line of JSON with json.dumps's separators: what models write, and no room for runs of whitespace.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+
 @dataclass(frozen=True)
 class Constraint:
     """What the output must match. spec: the JSON Schema as JSON text, the regex, the grammar text (Lark, or

@@ -15,10 +15,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from features.grammar import Grammar, Matcher
+from features.constraint import Grammar, Matcher
 from kvcache import KVCache
 from model import Transformer
-from sample import SamplingParams, Token, check_logit_bias, penalty_state, sample_tokens
+from sample import penalty_state, sample_tokens
+from params import SamplingParams, Token, check_logit_bias
 from features.sinks import SinkKVCache, SinkWindow
 from step import Step
 
@@ -78,20 +79,6 @@ def check_request(prompt: list[int], max_new_tokens: int, max_seq: int, what: st
         raise ValueError(f"the prompt is {len(prompt)} tokens, longer than {what} of {max_seq - 1}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-
-
-def fit_new_tokens(asked: int | None, default: int | None, prompt_tokens: int, context: int, name: str,
-                   what: str = "the model's context") -> int:
-    """How many tokens to generate after a prompt of prompt_tokens: `asked`, which must fit in the context with the
-    prompt (else a ValueError naming `name`, as OpenAI and vLLM refuse such a max_tokens), or `default` cut to what
-    the prompt leaves (None: all of it), at least 1. A prompt that leaves no room is refused by check_request."""
-    room = context - prompt_tokens
-    if asked is None:
-        return max(1, room if default is None else min(default, room))
-    if asked > room >= 1:
-        raise ValueError(f"{name} {asked} does not fit: {what} holds {context} tokens and the prompt takes "
-                         f"{prompt_tokens}, so {name} can be at most {room}")
-    return asked
 
 
 def check_step(step: Step | None, model: Transformer) -> Step:

@@ -35,17 +35,18 @@ import torch
 from features import tp
 from cli import (MODEL_HELP, add_device_flags, check_seed, check_text, default_model, pick_device, pick_dtype,
                  read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line, weights_cache)
-from decode import UNBOUNDED, Session, check_request, fit_new_tokens, generate, generate_batch
+from decode import UNBOUNDED, Session, check_request, generate, generate_batch
 from features.chat import Output, chat, chat_tokens, load_tools, step_label
 from features.chat import tool_result  # noqa: F401  generate.tool_result, as tests/test_tools.py calls it
-from features.grammar import Compiler, Constraint, check_constraint, json_schema_arg
+from features.constraint import Constraint, check_constraint, json_schema_arg
+from features.grammar import Compiler
 from features.sinks import SinkWindow
 from features.tools import ToolRequest
 from formats.hffolder import generation_defaults
 from load import load_model, resolve_model_path
 from model import Transformer
 from quantize import describe, parse_mode, weight_bytes
-from sample import SamplingParams
+from params import SamplingParams, fit_new_tokens
 import speculative
 from speculative import ModelDraft, PromptLookupDraft, SpecStats
 from step import COMPILE_HELP, COMPILE_MODES, DETERMINISTIC_HELP, Step, check_deterministic

@@ -38,7 +38,7 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 @dataclass(frozen=True)
-class Request:
+class Quantization:
     """load_model's quantize and quantize_head, decoded once. mode: what float linears are quantized into as they
     are read ("int8", "int4:G"; None: they stay float); head: the LM head too; as_stored: no `quantize` at all, so
     a file's own codes load as they are (a quantized folder; a GGUF's Q4_0/Q4_1/Q4_K linears and Q8_0 head)."""
@@ -47,7 +47,7 @@ class Request:
     as_stored: bool = True
 
     @classmethod
-    def parse(cls, quantize: str | None, quantize_head: bool) -> "Request":
+    def parse(cls, quantize: str | None, quantize_head: bool) -> "Quantization":
         """A bad mode, or a head to quantize without a mode, is a ValueError before any reading."""
         if quantize_head and quantize in (None, "none"):
             raise ValueError("quantize_head (--quantize-head) needs a quantization mode (--quantize)")
@@ -86,7 +86,7 @@ def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progr
     shard (a tp.Shard) loads only this rank's slices into its smaller model (safetensors: only those bytes
     are read), ready for tp.install. cache_dir: a GGUF file loaded onto the CPU whole reads its converted tensors
     from there when an earlier load wrote them, else writes them (weightcache.py); None converts every time."""
-    request = Request.parse(quantize, quantize_head)
+    request = Quantization.parse(quantize, quantize_head)
     path = resolve_model_path(model)
     if os.path.isdir(path):
         return load_hf_folder(path, device, dtype, progress, request, shard), path
@@ -123,7 +123,7 @@ def check_dtypes(model: Transformer, found: dict[str, str], source: str) -> None
             raise ValueError(f"{source}: tensor {name} is stored as {found[name]}, expected {' or '.join(want)}")
 
 
-def checkpoint_quantization(path: str, files: list[str], request: Request) -> tuple[str, bool, bool] | None:
+def checkpoint_quantization(path: str, files: list[str], request: Quantization) -> tuple[str, bool, bool] | None:
     """The (mode, quantize_head, act_order) a quantized folder was saved with, from its safetensors metadata, or None;
     a request that differs from it is an error (the checkpoint's codes cannot be re-quantized)."""
     try:
@@ -141,7 +141,7 @@ def checkpoint_quantization(path: str, files: list[str], request: Request) -> tu
     return saved, saved_head, act_order
 
 
-def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, request: Request, shard) -> Transformer:
+def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, request: Quantization, shard) -> Transformer:
     """A Hugging Face folder: config.json plus model.safetensors or a sharded index;
     a folder export.py wrote is rebuilt with its quantized modules."""
     config_file = os.path.join(path, "config.json")
@@ -181,7 +181,7 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, reques
 
 
 def load_packed_folder(path: str, fmt: hfquant.PackedFormat, args: ModelArgs, files: list[str], device,
-                       dtype: torch.dtype, progress: bool, request: Request, shard) -> Transformer:
+                       dtype: torch.dtype, progress: bool, request: Quantization, shard) -> Transformer:
     """A GPTQ / AWQ folder (hfquant.py): each linear's packed codes into an Int4Linear as they are."""
     if shard is not None or not request.as_stored:
         raise ValueError(f"{path!r} is a {fmt.method.upper()} checkpoint, which loads as its own codes: drop "
@@ -219,7 +219,7 @@ class GGUFRoutes:
     shard: object = None
 
     @classmethod
-    def decide(cls, tensors: dict, slots: dict[str, tuple[str, int]], args: ModelArgs, arch: str, request: Request,
+    def decide(cls, tensors: dict, slots: dict[str, tuple[str, int]], args: ModelArgs, arch: str, request: Quantization,
                shard) -> "GGUFRoutes":
         """A block linear (slots: checkpoint module -> ours, so q/k/v are qkv_proj's parts) takes the file's codes
         when each of its parts is Q4_0/Q4_1/Q4_K (4-bit blocks of 32) and nothing asks for other modules: another
@@ -241,7 +241,7 @@ class GGUFRoutes:
         q8_0 = request.as_stored and shard is None and tensors[head].tensor_type.name == "Q8_0"
         return cls(args, codes, head if q8_0 else None, arch in gguffile.PERMUTED_QK, shard)
 
-    def swap_modules(self, model: Transformer, request: Request) -> None:
+    def swap_modules(self, model: Transformer, request: Quantization) -> None:
         """Swap in the modules this load builds (after the Filler took the file's float names)."""
         if request.mode is not None:  # int4:32 too: the code modules take the codes, the rest is quantized
             swap_linears(model, request.mode, request.head)
@@ -282,7 +282,7 @@ def with_rope_freqs(args: ModelArgs, rope_freqs, path: str) -> ModelArgs:
     return dataclasses.replace(args, rope_freq_factors=tuple(float(x) for x in rope_freqs.data))
 
 
-def load_gguf(path: str, device: torch.device, dtype: torch.dtype, progress: bool, request: Request, shard,
+def load_gguf(path: str, device: torch.device, dtype: torch.dtype, progress: bool, request: Quantization, shard,
               cache_dir: str | None = None) -> Transformer:
     """A GGUF file (config.GGUF_ARCHITECTURES): dequantized to dtype with the gguf package (or, with a mode,
     from float32 straight to int8/int4 codes), or its Q4 linears and Q8_0 head as their codes (GGUFRoutes). With

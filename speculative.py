@@ -15,7 +15,8 @@ import torch
 
 from decode import check_request, check_step, common_prefix, end_reason, new_cache
 from model import Transformer
-from sample import SamplingParams, Token, apply_logit_bias, check_logit_bias, hold_stop_ids, logits_to_probs, sample
+from sample import apply_logit_bias, hold_stop_ids, logits_to_probs, sample
+from params import SamplingParams, Token, check_logit_bias
 from step import Step
 
 

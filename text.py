@@ -5,7 +5,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from sample import Token
+from params import Token
 
 
 # Stop strings, per generation. OpenAI takes 4 and TGI 4 by default, vLLM any number; these are generous, and they

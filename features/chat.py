@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from decode import Session
-from features.tools import CHOICES, ToolRequest, finish_reason, message as tool_message, tool_request
-from sample import Token
+from features.tools import CHOICES, ToolRequest, message as tool_message, tool_calls_reason, tool_request
+from params import Token
 from step import COMPILE_PAYS_AFTER, Step
 from text import Completion, complete, completion_json
 
@@ -114,7 +114,7 @@ class Output:
         if self.as_json:
             out = completion_json(c, self.tokenizer)
             if self.tools is not None:
-                out.update(content=content, tool_calls=calls, finish_reason=finish_reason(c.finish_reason, calls))
+                out.update(content=content, tool_calls=calls, finish_reason=tool_calls_reason(c.finish_reason, calls))
             print(json.dumps(out, ensure_ascii=False), flush=True)
         else:
             print("" if not calls else ("\n" if content else "") + json.dumps({"tool_calls": calls},

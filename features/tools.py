@@ -12,13 +12,13 @@ chat template's text or by name. One ToolRequest per request holds the checked t
 - parser(): a toolcalls.CallParser, fed the text as it streams, giving OpenAI's `delta` objects (content,
   tool_calls); parse(text): the same for a whole output.
 A server calls tool_request (ValueError: a 400 whose param is field_of(error)), render, encode_chat, constraint,
-then parser() (merge_deltas: one chunk per run) or parse(), and answers with message() and finish_reason().
+then parser() (merge_deltas: one chunk per run) or parse(), and answers with message() and tool_calls_reason().
 """
 import json
 import re
 from collections.abc import Callable
 
-from features.grammar import JSON_OPTIONS, Constraint, check_constraint
+from features.constraint import JSON_OPTIONS, Constraint, check_constraint
 from tokenizer import template_variables
 from features.toolcalls import FORMATS, CallParser, Format, format_named
 
@@ -333,7 +333,7 @@ def field_of(error: ValueError) -> str | None:
     return match.group() if match else None
 
 
-def finish_reason(reason: str, calls: list[dict]) -> str:
+def tool_calls_reason(reason: str, calls: list[dict]) -> str:
     """OpenAI's finish_reason: "tool_calls" when the output made calls and ended by itself (not cut by length)."""
     return "tool_calls" if calls and reason != "length" else reason
 

@@ -69,7 +69,7 @@ class Entry:
 
     @classmethod
     def of(cls, directory: str, path: str, device: torch.device, dtype: torch.dtype, request) -> "Entry":
-        """request: load.Request (the quantization asked for)."""
+        """request: load.Quantization (the quantization asked for)."""
         key = {**source_state(path), "dtype": str(dtype), "device": device.type, "request": dataclasses.asdict(request),
                "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability(), "code": code_hash()}
         name = f"{sha(key['source'])[:16]}-{sha(json.dumps(key, sort_keys=True))[:16]}{SUFFIX}"

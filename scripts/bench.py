@@ -31,7 +31,7 @@ from decode import generate, generate_batch
 from load import load_model
 from model import ModelArgs, Transformer
 from quantize import describe, quantize_model, weight_bytes
-from sample import SamplingParams
+from params import SamplingParams
 from step import COMPILE_MODES, DETERMINISTIC_HELP, Step
 
 # Published shapes, for random-weight runs and capacity plans.
@@ -471,7 +471,8 @@ def model_under_test(args: argparse.Namespace, device: torch.device,
 
 def add_mask_costs(rows: list[dict], args: argparse.Namespace, model, path: str | None, device) -> None:
     """--json-schema: each row's mask_ms and mask_per_row_ms (mask_cost) for the schema over the model's vocabulary."""
-    from features.grammar import Compiler, Constraint, json_schema_arg
+    from features.constraint import Constraint, json_schema_arg
+    from features.grammar import Compiler
     from tokenizer import load_tokenizer
 
     if args.shape:

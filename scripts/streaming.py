@@ -24,7 +24,7 @@ from decode import generate
 from kvcache import KVCache
 from load import load_model
 from model import Transformer
-from sample import SamplingParams
+from params import SamplingParams
 from scripts.quality import load_eval_tokens
 from features.sinks import SinkKVCache, SinkWindow
 from step import COMPILE_MODES, Step, device_paths

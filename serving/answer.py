@@ -1,18 +1,17 @@
 """OpenAI's answers, without a server: engine Events -> the response body (stream=False) or the stream's chunks
 (stream=True) of one call (protocol.Call): choices indexed prompt x n, logprobs in chat's and completions' shapes,
-echo, tool calls read out of each choice's text, usage. Pure: serve.py does the HTTP."""
+echo, tool calls read out of each choice's text, usage. Pure: app.py does the HTTP."""
 import json
 from dataclasses import dataclass, field
 
-from serving.engine import Event
-from serving.protocol import Call
-from sample import Token
 from features.toolcalls import CallParser, merge_deltas
-from features.tools import message
-from features.tools import finish_reason as tool_finish_reason
+from features.tools import message, tool_calls_reason
+from params import Token
+from serving.contract import Event
+from serving.protocol import Call
 
 
-def finish_reason(event: Event) -> str:
+def openai_reason(event: Event) -> str:
     return "stop" if event.finish_reason == "eos" else event.finish_reason  # OpenAI says "stop" for both
 
 
@@ -46,7 +45,7 @@ def completion_logprobs(ids: list[int], tokens: list[Token | None], tokenizer, o
 
 
 @dataclass
-class Choice:
+class ResponseChoice:
     """One choice of an answer as its events arrive."""
     index: int
     prompt: int  # which of the call's prompts
@@ -64,7 +63,7 @@ class Answer:
 
     def __init__(self, call: Call, tokenizer, head: dict):
         self.call, self.tokenizer, self.head = call, tokenizer, head
-        self.choices = [Choice(p * call.n + k, p, parser=call.tools.parser() if call.tools else None)
+        self.choices = [ResponseChoice(p * call.n + k, p, parser=call.tools.parser() if call.tools else None)
                         for p in range(len(call.requests)) for k in range(call.n)]
         self.last: dict[tuple[int, int], Event] = {}  # (prompt, engine choice) -> its latest event: usage
 
@@ -87,9 +86,9 @@ class Answer:
         if c.parser is not None:
             deltas = merge_deltas(c.parser.feed(text) + (c.parser.finish() if event.finished else []))
         if event.finished:
-            c.finish_reason = finish_reason(event)
+            c.finish_reason = openai_reason(event)
             if c.parser is not None:
-                c.finish_reason = tool_finish_reason(c.finish_reason, c.parser.calls)
+                c.finish_reason = tool_calls_reason(c.finish_reason, c.parser.calls)
         if not self.call.stream:
             return []
         if c.parser is not None:
@@ -100,7 +99,7 @@ class Answer:
             chunks.append(self.chunk([self.choice_body(c, text, new_ids, new_tokens, offset, reason, True)]))
         return chunks
 
-    def tool_chunks(self, c: Choice, deltas: list[dict], tokens: list[Token], finished: bool) -> list[str]:
+    def tool_chunks(self, c: ResponseChoice, deltas: list[dict], tokens: list[Token], finished: bool) -> list[str]:
         """A chat stream's chunks when tools were given: one per content run or call piece (OpenAI's delta shapes),
         the tokens' logprobs on the first, the finish_reason on a last chunk of its own."""
         logprobs = chat_logprobs(tokens, self.tokenizer) if self.call.logprobs is not None and tokens else None
@@ -135,7 +134,7 @@ class Answer:
         return {**self.head, "choices": [self.choice_body(c, c.text, c.ids, c.tokens, 0, c.finish_reason, False)
                                          for c in self.choices], "usage": self.usage()}
 
-    def choice_body(self, c: Choice, text: str, ids: list[int], tokens: list, offset: int, reason: str | None,
+    def choice_body(self, c: ResponseChoice, text: str, ids: list[int], tokens: list, offset: int, reason: str | None,
                     stream: bool) -> dict:
         """A choice of the body (stream=False) or of a chunk (its text, ids and tokens since the last chunk)."""
         logprobs = None

@@ -11,55 +11,18 @@ are held, and at the end the n choices with the highest cumulative logprob go ou
 """
 import sys
 import traceback
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from decode import end_reason
-from features.grammar import Grammar, Matcher
+from features.constraint import Matcher
 from model import Transformer
-from sample import SamplingParams, Token, penalty_state, sample_tokens
+from params import Token
+from sample import penalty_state, sample_tokens
+from serving.contract import Event, Request
 from serving.scheduler import Scheduler, Seq
 from text import TextStream, finish_reason, push_token
-
-
-@dataclass
-class Event:
-    """What a request's on_event callback receives, on the engine's thread. Events are per choice (`index`):
-    `finished` ends that choice, and the request has ended once n events with finished=True have arrived, one per
-    index. With best_of > n, each of the n best choices sends one event, at the request's end."""
-    request_id: int
-    text: str  # text that became final since the choice's previous event (may be "")
-    token_ids: list[int]  # tokens sampled since the choice's previous event
-    finished: bool
-    finish_reason: str | None  # "stop" (a stop string), "eos", "length" (max_new_tokens or the context), "abort",
-    # or "error" (serving this request failed; `error` says why, and the engine serves on)
-    prompt_tokens: int
-    completion_tokens: int  # so far, this choice's
-    cached_tokens: int  # prompt tokens whose keys/values came from the prefix cache
-    error: str | None = None
-    index: int = 0  # which choice, 0..n-1
-    tokens: list[Token] | None = None  # with Request.logprobs: a Token (id, logprob, top N) per token_id
-    # with Request.prompt_logprobs, on each choice's first event: per prompt position i, Token(prompt[i], its
-    # logprob under the model's unfiltered log_softmax at i - 1, the top N there); position 0 is None
-    prompt_logprobs: list[Token | None] | None = None
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    max_new_tokens: int = 16  # may be 0 only when prompt_logprobs is not None (echo: the prefill only)
-    stop: Sequence[str] = ()
-    seed: int | None = None  # choice i draws from a generator seeded seed + i
-    on_event: Callable[[Event], None] | None = None
-    grammar: Grammar | None = None  # structured output: the text follows it (each choice has its own matcher)
-    n: int = 1  # choices returned
-    best_of: int | None = None  # sequences sampled (>= n, default n); the n with the highest cumulative logprob
-    # of their sampled tokens are returned
-    logprobs: int | None = None  # with it, Event.tokens gives a sample.Token (id, logprob, top N) per token_id
-    prompt_logprobs: int | None = None  # with it, each choice's first event has Event.prompt_logprobs
 
 
 @dataclass(eq=False)
@@ -145,8 +108,8 @@ def score_prompt(out: list[Token | None], prompt: list[int], start: int, logits:
 class Outputs:
     """The requests taken in and not ended (groups), and what happens to a choice after a forward."""
 
-    def __init__(self, model: Transformer, tokenizer, scheduler: Scheduler, abort: Callable[[int], None]):
-        self.model, self.tokenizer, self.scheduler, self.abort = model, tokenizer, scheduler, abort
+    def __init__(self, model: Transformer, tokenizer, scheduler: Scheduler):
+        self.model, self.tokenizer, self.scheduler = model, tokenizer, scheduler
         self.device = model.embed_tokens.weight.device
         self.groups: dict[int, Group] = {}
         self.outbox: list[tuple[Group, Event]] = []  # sent, not yet handed to the callbacks (emit)
@@ -262,10 +225,12 @@ class Outputs:
             del self.groups[group.id]
             self.finished += 1
 
-    def emit(self) -> None:
-        """Hand the step's events to their callbacks. A callback that raises is the caller's bug: it is reported on
-        stderr and its request aborted, and the engine serves on."""
+    def emit(self) -> list[int]:
+        """Hand the step's events to their callbacks; returns the ids of the requests to abort. A callback that raises
+        is the caller's bug: it is reported on stderr, it gets no more events, and its request (if not ended) is
+        returned for the engine to abort."""
         outbox, self.outbox = self.outbox, []
+        failed = []
         for group, event in outbox:
             if group.request.on_event is None:
                 continue
@@ -275,4 +240,5 @@ class Outputs:
                 traceback.print_exc()
                 if not group.done:
                     group.request.on_event = None
-                    self.abort(group.id)
+                    failed.append(group.id)
+        return failed

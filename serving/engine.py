@@ -16,8 +16,8 @@ Every step() is one iteration, inbox -> schedule -> forward -> sample -> emit:
   5. emit: hand the step's Events (text, tokens, logprobs) to the requests' callbacks.
 
 The KV memory (blocks of block_size positions, kvcache.BlockPool) and the prefix cache are scheduler.BlockManager's;
-a request's choices, their sampling state and the events they send are choices.py's, where Request and Event are
-defined. A request with prompt logprobs takes nothing from the prefix cache until they are in.
+a request's choices, their sampling state and the events they send are choices.py's; Request and Event are
+contract.py's. A request with prompt logprobs takes nothing from the prefix cache until they are in.
 """
 import itertools
 import queue
@@ -27,12 +27,13 @@ from collections.abc import Sequence
 
 import torch
 
-from serving.choices import Choice, Event, Outputs, Request, score_prompt
 from decode import check_request, check_step
-from features.grammar import Grammar
+from features.constraint import Grammar
 from kvcache import BlockPool, PagedKVCache
 from model import Transformer
-from sample import SamplingParams, Token
+from params import SamplingParams, Token
+from serving.choices import Choice, Outputs, score_prompt
+from serving.contract import Event, Request
 from serving.scheduler import BlockManager, EngineConfig, Scheduler
 from features.sinks import SinkKVCache, SinkWindow
 from step import Step
@@ -97,7 +98,7 @@ class Engine:
         self.lock = threading.Lock()  # makes submit()'s queue-length check and its put one step
         self.wake = threading.Condition(self.lock)
         self.ids = itertools.count()
-        self.outputs = Outputs(model, tokenizer, self.scheduler, self.abort)  # the requests taken in, not ended
+        self.outputs = Outputs(model, tokenizer, self.scheduler)  # the requests taken in, not ended
 
     # ---- the thread-safe side ----
 
@@ -159,7 +160,8 @@ class Engine:
         decodes, chunks = self.scheduler.schedule()
         for seq, logits in self._forward(decodes, chunks):
             self.outputs.sample(seq, logits)
-        self.outputs.emit()
+        for request_id in self.outputs.emit():  # a callback raised: its request is aborted, the engine serves on
+            self.abort(request_id)
         return self.has_work()
 
     def _take_inbox(self) -> None:

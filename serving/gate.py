@@ -5,7 +5,7 @@ import asyncio
 import hmac
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 
 import h11
@@ -60,6 +60,22 @@ class ServeConfig:
     shutdown_timeout_s: float = 20.0  # grace for running requests on SIGTERM; under Kubernetes' 30 s to SIGKILL
 
 
+@dataclass
+class GateState:
+    """What Gate reads and keeps of the server: whether requests are admitted, the requests in flight (what a
+    shutdown waits for) and the responses counted by endpoint and status. The server changes the phase."""
+    # "serving"; "draining" after SIGTERM/SIGINT (Gate answers 503, requests in flight may finish); "closing" once
+    # those left are ended (at the grace's end or a second signal); "failed" when the engine thread died. `why` says
+    # why for the last two: it is what the requests ended then are told.
+    phase: str = "serving"
+    why: str | None = None
+    inflight: int = 0  # requests past Gate whose response is not complete
+    responses: dict[tuple[str, int], int] = field(default_factory=dict)  # (endpoint, HTTP status) -> count
+
+    def count(self, endpoint: str, status: int) -> None:
+        self.responses[endpoint, status] = self.responses.get((endpoint, status), 0) + 1
+
+
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
           code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, kind, param, code), status, headers)
@@ -90,10 +106,9 @@ def key_matches(authorization: str, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key.encode())
 
 
-def admit(scope: dict, server) -> None:
+def admit(scope: dict, config: ServeConfig, state: GateState) -> None:
     """Refused for a request this server does not serve, checked in this order: Host, Origin, API key, shutdown,
     Content-Type of a POST, Content-Length."""
-    config = server.config
     headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
     host = headers.get("host", "")
     if "*" not in config.hosts and host_name(host) not in config.hosts:  # DNS rebinding: evil.com -> 127.0.0.1
@@ -109,8 +124,8 @@ def admit(scope: dict, server) -> None:
                                                                                    config.api_key):
         raise Refused(401, "a missing or incorrect API key; send it as the header 'Authorization: Bearer KEY'",
                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-    if server.state != "serving" and path not in OPEN_ROUTES:  # draining, closing, or the engine failed
-        raise Refused(503, server.why or "the server is shutting down", "server_error")
+    if state.phase != "serving" and path not in OPEN_ROUTES:  # draining, closing, or the engine failed
+        raise Refused(503, state.why or "the server is shutting down", "server_error")
     media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
     if scope["method"] == "POST" and media_type != "application/json":  # a form or text/plain: no preflight
         raise Refused(415, f"Content-Type must be application/json, got {media_type[:50]!r}")
@@ -149,16 +164,16 @@ def limited(receive, config: ServeConfig):
 class Gate:
     """ASGI middleware before every route: admit() and limited() refuse what is not served, every response is
     counted by endpoint and status, and an exception becomes one log line (no traceback) and a 500 in OpenAI's
-    format. The in-flight count is what a shutdown waits for."""
+    format. The in-flight count is what a shutdown waits for. What it reads and counts is state's."""
 
-    def __init__(self, app, server):
-        self.app, self.server = app, server
+    def __init__(self, app, config: ServeConfig, state: GateState):
+        self.app, self.config, self.state = app, config, state
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":  # the lifespan
             await self.app(scope, receive, send)
             return
-        server, path = self.server, scope["path"]
+        state, path = self.state, scope["path"]
         # One label for all unknown paths, not one each
         endpoint = path if path in ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
         started = False
@@ -167,21 +182,21 @@ class Gate:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                server.metrics.count(endpoint, message["status"])
+                state.count(endpoint, message["status"])
             await send(message)
 
         try:
-            admit(scope, server)
-            server.inflight += 1
+            admit(scope, self.config, state)
+            state.inflight += 1
             try:
-                await self.app(scope, limited(receive, server.config), counted)
+                await self.app(scope, limited(receive, self.config), counted)
             finally:
-                server.inflight -= 1
+                state.inflight -= 1
         except Refused as e:
             if not started:
                 await e.response()(scope, receive, counted)
         except ClientDisconnect:  # it left while sending its body: nobody to answer
-            server.metrics.count(endpoint, 499)  # nginx's "client closed request"
+            state.count(endpoint, 499)  # nginx's "client closed request"
             log.info(f"{scope['method']} {path}: the client went away while sending its body")
         except Exception as e:
             log.error(f"{scope['method']} {path} failed: {type(e).__name__}: {e}")

@@ -1,16 +1,16 @@
 """The OpenAI protocol's requests, without a server: a request body -> a Call (the engine Requests to submit and
 how to answer them), /tokenize and /detokenize bodies, errors in OpenAI's format; BadRequest names the field at
-fault. Pure functions, testable without HTTP (answer.py shapes the answers; serve.py does the HTTP)."""
+fault. Pure functions, testable without HTTP, torch or the model (answer.py shapes the answers; app.py does the
+HTTP)."""
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from decode import fit_new_tokens
-from serving.engine import Request
-from features.grammar import Constraint, Grammar
-from sample import SamplingParams, check_logit_bias
-from text import check_stop
+from features.constraint import Constraint, Grammar
 from features.tools import ToolRequest, field_of, tool_request
+from params import SamplingParams, check_logit_bias, fit_new_tokens
+from serving.contract import Request
+from text import check_stop
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to all the room left
 MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs limit; completions' logprobs as vLLM)
@@ -63,7 +63,7 @@ def sampling_params(body: dict, vocab_size: int) -> SamplingParams:
     defaults = SamplingParams(temperature=1.0)
     values = {name: get(body, name, "integer" if name == "top_k" else "number", getattr(defaults, name))
               for name in SAMPLING}
-    bias = [(int(key) if key.isdigit() else key, value)  # JSON's keys are strings; sample.py checks the rest
+    bias = [(int(key) if key.isdigit() else key, value)  # JSON's keys are strings; params.py checks the rest
             for key, value in get(body, "logit_bias", "object", {}).items()]
     min_tokens = get(body, "min_tokens", "integer", 0)
     ignore_eos = get(body, "ignore_eos", "boolean", False)

@@ -8,7 +8,8 @@ import torch
 
 from decode import Session, common_prefix, end_reason, generate, generate_batch, new_cache
 from helpers import complete_greedy
-from sample import SamplingParams, apply_penalties, logits_to_logprobs, sample_tokens, token_counts
+from sample import apply_penalties, logits_to_logprobs, sample_tokens, token_counts
+from params import SamplingParams
 from text import complete_batch
 from tiny_models import greedy_ids, greedy_uncached, last_logits
 

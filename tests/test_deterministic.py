@@ -20,7 +20,7 @@ from serving.engine import Engine, EngineConfig, Request
 from helpers import ToyTokenizer
 from ops.cpu import decode_attention
 from quantize import make_quantized_linear, parse_mode
-from sample import SamplingParams
+from params import SamplingParams
 from step import Step
 from tiny_models import reference_attention
 

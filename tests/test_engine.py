@@ -16,7 +16,7 @@ from serving import scheduler
 from step import Step
 from serving.engine import Engine, EngineConfig, QueueFull, Request
 from helpers import ROOT, ToyTokenizer
-from sample import SamplingParams
+from params import SamplingParams
 from tiny_models import greedy_ids
 
 
@@ -221,11 +221,14 @@ def test_a_failing_callback_aborts_only_its_request(model, capsys):
     def broken(event):
         raise RuntimeError("client bug")
 
-    eng.submit(Request(prompts[0], max_new_tokens=8, on_event=broken))
+    returned, emit = [], eng.outputs.emit  # Outputs returns what to abort; the engine aborts it
+    eng.outputs.emit = lambda: returned.append(emit()) or returned[-1]
+    bad = eng.submit(Request(prompts[0], max_new_tokens=8, on_event=broken))
     eng.submit(Request(prompts[1], max_new_tokens=8, on_event=events.append))
     while eng.step():
         pass
     assert "client bug" in capsys.readouterr().err
+    assert [ids for ids in returned if ids] == [[bad]]  # once: its callback is called no more
     assert [t for e in events for t in e.token_ids] == greedy_ids(model, prompts[1], 8)
     assert eng.stats()["blocks_used"] == 0 and eng.stats()["requests_finished"] == 2
 

@@ -17,7 +17,7 @@ import generate
 import step
 from features.chat import print_logprobs, summary
 from helpers import ROOT, ToyTokenizer, child_env, run_py
-from sample import SamplingParams, Token
+from params import SamplingParams, Token
 from text import Completion
 from tiny_models import greedy_ids
 

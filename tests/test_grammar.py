@@ -11,9 +11,10 @@ import torch
 
 from decode import generate, generate_batch
 from serving.engine import Engine, EngineConfig, Request
-from features.grammar import Compiler, Constraint, check_constraint, mask_logits, token_bytes
+from features.constraint import Constraint, check_constraint
+from features.grammar import Compiler, allowed, mask_logits, token_bytes
 from helpers import toy_bpe
-from sample import SamplingParams
+from params import SamplingParams
 from text import complete, complete_batch
 from tokenizer import tokenizer_from_gguf_metadata
 
@@ -89,28 +90,28 @@ def test_masked_step_equals_the_unmasked_one_on_allowed_tokens(tiny, toy, compil
     for token in toy.encode('{"name": "ab', bos=False):
         matcher.advance(token)
     masked = mask_logits(logits, [matcher, None])  # row 1 has no grammar
-    allowed = matcher.allowed(VOCAB)
-    assert torch.equal(masked[0, allowed], logits[0, allowed])  # bit for bit
-    assert torch.isneginf(masked[0, ~allowed]).all()
+    ok = allowed(matcher, VOCAB)
+    assert torch.equal(masked[0, ok], logits[0, ok])  # bit for bit
+    assert torch.isneginf(masked[0, ~ok]).all()
     assert torch.equal(masked[1], logits[1])
     # After '{"name": "ab' come up to 4 more lowercase letters or the closing quote, and nothing else.
     want = ['"', '",', "tr", "tru", "true", *"abcdefghijklmnopqrstuvwxyz"]
-    assert sorted(toy.decode([i]) for i in allowed.nonzero()[:, 0].tolist()) == sorted(want)
+    assert sorted(toy.decode([i]) for i in ok.nonzero()[:, 0].tolist()) == sorted(want)
 
 
 def test_eos_only_where_the_grammar_may_end(toy, compiler):
     matcher = compiler.compile(Constraint("regex", "[0-9]{2,3}")).matcher()
     eos = toy.eos_ids[0]
     digits = toy.encode("1", bos=False)
-    assert not matcher.allowed(VOCAB)[eos]
+    assert not allowed(matcher, VOCAB)[eos]
     matcher.advance(digits[0])
-    assert not matcher.allowed(VOCAB)[eos] and not matcher.can_end
+    assert not allowed(matcher, VOCAB)[eos] and not matcher.can_end
     matcher.advance(digits[0])
-    assert matcher.allowed(VOCAB)[eos] and matcher.can_end and not matcher.done
+    assert allowed(matcher, VOCAB)[eos] and matcher.can_end and not matcher.done
     matcher.advance(digits[0])
-    assert matcher.done and matcher.allowed(VOCAB).nonzero()[:, 0].tolist() == [eos]  # only EOS is left
+    assert matcher.done and allowed(matcher, VOCAB).nonzero()[:, 0].tolist() == [eos]  # only EOS is left
     matcher.rollback(2)
-    assert not matcher.can_end and not matcher.allowed(VOCAB)[eos]
+    assert not matcher.can_end and not allowed(matcher, VOCAB)[eos]
 
 
 def test_compiled_grammars_are_cached_and_bad_ones_are_one_line_errors(compiler):
@@ -164,7 +165,7 @@ def test_a_grammar_failing_mid_generation_is_a_one_line_value_error(toy, compile
         matcher.advance(toy.encode("{", bos=False)[0])
     assert "\n" not in str(e.value) and "<" not in str(e.value)
     with pytest.raises(ValueError, match="grammar failed"):
-        matcher.allowed(VOCAB)
+        allowed(matcher, VOCAB)
 
 
 # ---- generation on the tiny random model ----

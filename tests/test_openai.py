@@ -14,8 +14,8 @@ import torch
 from decode import generate
 from serving.engine import Engine, EngineConfig
 from serving.gate import ServeConfig
-from sample import SamplingParams
-from serve import make_app
+from params import SamplingParams
+from serving.app import make_app
 
 # The HTTPX the openai client is built on (httpx2 from openai 3, httpx before): an http_client passed to it must
 # be one of its clients, and whichever pip resolved is the one installed.

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from decode import Token
-from serving.engine import Event
+from params import Token
+from serving.contract import Event
 from serving.answer import Answer
 from serving.protocol import MAX_CHOICES, BadRequest, parse_detokenize, parse_json, parse_request, parse_tokenize
 

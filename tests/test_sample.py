@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from sample import (SamplingParams, apply_logit_bias, apply_penalties, check_logit_bias, check_sampling,
-                    hold_stop_ids, logits_to_probs, sample, sampled_logprobs, token_counts)
+from params import SamplingParams, check_logit_bias, check_sampling
+from sample import (apply_logit_bias, apply_penalties, hold_stop_ids, logits_to_probs, sample, sampled_logprobs,
+                    token_counts)
 
 PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
 LOGITS = PROBS.log()

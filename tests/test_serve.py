@@ -28,7 +28,8 @@ from scripts import loadtest
 from decode import generate
 from serving.engine import Engine, EngineConfig, Request
 from serving.gate import FD_RESERVE, MAX_HEAD_BYTES, QuietLoopErrors, ServeConfig, use_file_descriptors
-from serve import API_KEY_ENV, check_flags, engine_config, make_app, parse_args, serve_config
+from serve import API_KEY_ENV, check_flags, engine_config, parse_args, serve_config
+from serving.app import make_app
 from text import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 # The HTTPX the openai client is built on (httpx2 from openai 3, httpx before): an http_client passed to it must

@@ -11,7 +11,7 @@ import torch
 from decode import Session, generate, generate_batch
 from kvcache import BlockPool, KVCache, LayerKVCache
 from model import apply_rope
-from sample import SamplingParams
+from params import SamplingParams
 from features.sinks import SinkKVCache, SinkLayer, SinkWindow, slot_of, slot_positions
 from tiny_models import last_logits
 
@@ -300,7 +300,8 @@ def test_engine_through_a_window_serves_past_the_context(short):
 def test_serve_flags_make_a_rolling_engine(tiny, tiny_text_dir):
     """serve.py --cache-window W --sink-tokens S: the engine's per-server setting, prefix caching off, and a
     --max-model-len past the model's context (256) that the server then allows; the flags' errors."""
-    from serve import Server, check_flags, make_engine, parse_args, serve_config
+    from serve import check_flags, make_engine, parse_args, serve_config
+    from serving.app import Server
     from tokenizer import load_tokenizer
 
     args = parse_args(["--cache-window", "32", "--sink-tokens", "2", "--max-model-len", "1000"])

@@ -12,7 +12,8 @@ from step import Step
 from helpers import ROOT
 from model import ModelArgs, Transformer
 from quantize import quantize_model
-from sample import SamplingParams, logits_to_probs
+from sample import logits_to_probs
+from params import SamplingParams
 from speculative import ModelDraft, PromptLookupDraft, SpecStats, verify
 from tiny_models import greedy_ids, hf_to_ours, make_hf
 

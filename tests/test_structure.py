@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = ("ops", "formats", "features", "serving", "scripts")
 # The root's modules by role. LIBRARY may import ops/formats/features; the commands also serving; none scripts.
 LIBRARY = {"config", "model", "kvcache", "sample", "tokenizer", "quantize", "load", "step", "decode", "text",
-           "speculative"}
+           "speculative", "params"}
 COMMANDS = {"generate", "serve"}  # what users type: `python generate.py`, `python serve.py`
 CLI = {"cli"}  # what the commands (and scripts/) share: flags' checks, the default model, one error line
 CARD = {"model", "tokenizer", "kvcache", "sample", "speculative", "quantize", "generate"}  # the project's own seven
@@ -40,6 +40,23 @@ def imports(path: str, names: set[str]) -> set[str]:
             found.add(node.module)
             found |= {f"{node.module}.{a.name}" for a in node.names}
     return found & names
+
+
+def loaded_imports(path: str) -> set[str]:
+    """Every module a file imports when it is loaded (the project's and others, e.g. `torch.nn`): its imports
+    outside function bodies."""
+    found = set()
+    stack = list(ast.parse(open(path, encoding="utf-8").read()).body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        stack += ast.iter_child_nodes(node)
+    return found
 
 
 def folder_of(module: str) -> str | None:
@@ -132,3 +149,48 @@ def test_library_modules_import_no_cli_plumbing():
         for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
             if isinstance(node, ast.arg) and node.annotation is not None:
                 assert "Namespace" not in ast.unparse(node.annotation), f"{name} takes an argparse Namespace"
+
+
+# What loading the request parser must not load: the parser stays pure (requests in, engine Requests out), so a
+# front end or a test can use it without torch, the model or the engine.
+ENGINE_SIDE = {"model", "step", "kvcache", "sample", "serving.engine", "serving.choices", "serving.scheduler"}
+
+
+def heavy_imports(loads: dict[str, set[str]], start: str) -> list[str]:
+    """What loading `start` loads that it must not: ENGINE_SIDE modules, and modules that import torch when loaded.
+    loads: module -> loaded_imports (project modules and others)."""
+    reached, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in reached:
+            reached.add(m)
+            todo += [n for n in loads[m] if n in loads]
+    bad = sorted(reached & ENGINE_SIDE)
+    bad += sorted(f"{m} (imports torch)" for m in reached if any(n.split(".")[0] == "torch" for n in loads[m]))
+    return bad
+
+
+@pytest.fixture(scope="module")
+def loads() -> dict[str, set[str]]:
+    return {m: loaded_imports(path) for m, path in module_files().items()}
+
+
+def test_the_request_parser_loads_no_torch(loads):
+    """serving.protocol (and answer.py, the contract) load neither torch, nor the model, nor the engine, even
+    through what they import."""
+    for start in ("serving.protocol", "serving.answer", "serving.contract"):
+        assert heavy_imports(loads, start) == [], f"{start} loads {heavy_imports(loads, start)}"
+
+
+def test_heavy_import_check_can_fail(loads, tmp_path):
+    """The check sees torch and the engine two imports away, and an import at a module's top level (an `if` or a
+    class body included) but not one inside a function."""
+    bad = {**loads, "params": loads["params"] | {"sample"}}
+    assert "sample" in heavy_imports(bad, "serving.protocol")
+    assert "sample (imports torch)" in heavy_imports(bad, "serving.protocol")
+    bad = {**loads, "text": loads["text"] | {"serving.engine"}}
+    assert "serving.engine" in heavy_imports(bad, "serving.protocol")
+    source = "import os\nif os:\n    import torch.nn\nclass A:\n    from model import B\ndef f():\n    import step\n"
+    path = tmp_path / "probe.py"
+    path.write_text(source, encoding="utf-8")
+    assert loaded_imports(str(path)) == {"os", "torch.nn", "model", "model.B"}

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from helpers import ToyTokenizer, complete_greedy
-from sample import Token
+from params import Token
 from text import (MAX_STOP_CHARS, MAX_STOP_STRINGS, Completion, StopStrings, TextStream, check_stop, complete,
                   complete_batch, completion_json, finish_reason, push_token)
 

@@ -9,9 +9,10 @@ import jsonschema
 import pytest
 import torch
 
-from features.grammar import Compiler, Constraint
+from features.constraint import Constraint
+from features.grammar import Compiler
 from features.toolcalls import FORMATS, CallParser, Format, detect_format, format_named, merge_deltas, parse_calls
-from features.tools import calls_lark, field_of, finish_reason, message, tool_request
+from features.tools import calls_lark, field_of, message, tool_calls_reason, tool_request
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -183,8 +184,8 @@ def test_a_call_cut_short_stays_a_call():
     """max_tokens mid-arguments: the call was committed at its name; finish_reason stays "length"."""
     content, calls = parse_calls('<tool_call>\n{"name": "f", "arguments": {"a": "b', FORMATS["hermes"])
     assert content == "" and calls[0]["function"] == {"name": "f", "arguments": '{"a": "b'}
-    assert finish_reason("length", calls) == "length" and finish_reason("eos", calls) == "tool_calls"
-    assert finish_reason("eos", []) == "eos"
+    assert tool_calls_reason("length", calls) == "length" and tool_calls_reason("eos", calls) == "tool_calls"
+    assert tool_calls_reason("eos", []) == "eos"
     assert message("", calls) == {"role": "assistant", "content": None, "tool_calls": calls}
     assert message("hi", []) == {"role": "assistant", "content": "hi"}
 
@@ -406,7 +407,7 @@ def test_constrained_calls_validate(smollm2):
     prompt x each of the three schemas (the tool alone in the prompt); required: each prompt, all three tools
     offered, the call naming any of them."""
     from decode import generate_batch
-    from sample import SamplingParams
+    from params import SamplingParams
     from text import complete_batch
 
     model, tokenizer = smollm2
@@ -440,7 +441,7 @@ def test_auto_constrains_a_call_once_it_opens(smollm2):
     """tool_choice auto: text is free, but once the output writes the opening the rest is a valid call. The
     opening is forced here (prompt and matcher both start after "Sure. <tool_call>"), the model writes the rest."""
     from decode import generate_batch
-    from sample import SamplingParams
+    from params import SamplingParams
     from text import complete_batch
 
     model, tokenizer = smollm2

@@ -11,7 +11,7 @@ from formats.gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
 from formats.hffolder import tensor_names
 from formats.checkpoint import load_state
 from model import ModelArgs, Transformer
-from sample import SamplingParams
+from params import SamplingParams
 
 SEQ_LEN = 80  # longer than the Mistral sliding window and than llama3's original context below
 

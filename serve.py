@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", nargs="?", const="full", default="none", choices=COMPILE_MODES,
                    help="how the engine's decode steps run, as generate.py --compile (default none here: a compiled "
                    "block measured no faster in the engine, and each new batch shape compiles during a request; "
-                   f"see README). {COMPILE_HELP}")
+                   f"dev/LOG.md). {COMPILE_HELP}")
     p.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     p.add_argument("--block-size", type=int, default=defaults.block_size, help="positions per KV block")
     p.add_argument("--num-blocks", type=num_blocks_arg, default="auto",
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> None:
               f"{str(dtype).removeprefix('torch.')} ({dtype_why}) | API key {'required' if args.api_key else 'off'} "
               f"| {config} | {runs}", file=sys.stderr)
     # The engine steps on the main thread and uvicorn serves from another: here, torch's OpenMP-parallel ops
-    # ran several times slower when called from a thread other than the main one (SERVING.md, The engine).
+    # ran several times slower when called from a thread other than the main one (serving/README.md, The engine).
     try:
         stopped = server.run_engine()  # until drain() stops it, or it fails (it printed why; requests got it)
     finally:

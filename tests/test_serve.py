@@ -496,7 +496,7 @@ def test_default_pool_holds_the_whole_context(server):
 def test_the_servers_engine_runs_the_compiled_step(tiny):
     """serve.py used to build its engine without a step, so --compile could not reach the server. Now it does:
     with --compile blocks (or auto, on CPU) the engine decodes through the compiled block, a request's decode steps
-    compile a graph, and the tokens stay eager's; the default is eager, as measured (SERVING.md, The engine)."""
+    compile a graph, and the tokens stay eager's; the default is eager, as measured (serving/README.md, The engine)."""
     import torch._dynamo
 
     from helpers import ToyTokenizer

@@ -31,6 +31,9 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # Host header names served by
 MAX_HEAD_BYTES = 16 * 2 ** 10  # request line and headers (h11's default, Node's too); a longer head gets 431
 
 
+MAX_HEADERS = 100  # header fields in one request (Apache's LimitRequestFields); more get 431
+
+
 LINGER_S = 2.0  # how long a connection closed after an error answer is still read (see GuardedH11Protocol.answer)
 
 
@@ -233,15 +236,33 @@ class Connections:
 
 class H11Connection(h11.Connection):
     """h11's connection, keeping the error of the input it could not parse: its status hint is 431 for a head over
-    the size limit, which uvicorn answers with 400."""
+    the limits, which uvicorn answers with 400. h11 checks the size only of a head still arriving; a whole head in
+    one read is measured here, and its header count."""
     error: h11.RemoteProtocolError | None = None
 
     def next_event(self):
         try:
-            return super().next_event()
+            event = super().next_event()
+            if isinstance(event, h11.Request):
+                check_head(event)
+            return event
         except h11.RemoteProtocolError as e:
             self.error = e
             raise
+
+
+class HeadOverLimits(h11.RemoteProtocolError):
+    """A whole request head over MAX_HEAD_BYTES or MAX_HEADERS (status hint 431), its message the answer's."""
+
+
+def check_head(request: h11.Request) -> None:
+    if len(request.headers) > MAX_HEADERS:
+        raise HeadOverLimits(f"the request has {len(request.headers)} header fields, over the limit of "
+                                      f"{MAX_HEADERS}", error_status_hint=431)
+    size = len(request.method) + len(request.target) + len(b" HTTP/1.1\r\n\r\n") + \
+        sum(len(name) + len(value) + 4 for name, value in request.headers)  # "name: value\r\n"
+    if size > MAX_HEAD_BYTES:
+        raise HeadOverLimits(f"the request line and headers are over {MAX_HEAD_BYTES} bytes", error_status_hint=431)
 
 
 def raw_response(status: int, message: str) -> bytes:
@@ -258,7 +279,7 @@ class GuardedH11Protocol(H11Protocol):
     before the first request and re-armed its keep-alive timer at every byte, so a silent or dribbling client held
     its connection forever. At most max_connections are open: the next ones are answered 503 (uvicorn's
     limit_concurrency still accepts them all), until 21,000 idle ones had exhausted the file descriptors. A head
-    over MAX_HEAD_BYTES is answered 431."""
+    over MAX_HEAD_BYTES or with over MAX_HEADERS fields is answered 431, however it arrives."""
 
     def __init__(self, *args, connections: Connections, **kwargs):
         super().__init__(*args, **kwargs)
@@ -322,7 +343,9 @@ class GuardedH11Protocol(H11Protocol):
         """uvicorn's answer to input h11 cannot parse: h11's status (431 for a head over the limit), in OpenAI's
         format."""
         error = self.conn.error
-        if error is not None and error.error_status_hint == 431:
+        if isinstance(error, HeadOverLimits):
+            self.answer(431, str(error))
+        elif error is not None and error.error_status_hint == 431:  # a head still arriving, over h11's buffer
             self.answer(431, f"the request line and headers are over {MAX_HEAD_BYTES} bytes")
         else:
             self.answer(400, f"the request is not valid HTTP/1.1: {error or msg}")

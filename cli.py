@@ -116,8 +116,7 @@ def set_threads(n: int | None) -> None:
     """--threads: the CPU threads torch computes with; None leaves torch's default."""
     if n is None:
         return
-    if n < 1:
-        raise ValueError(f"--threads must be >= 1, got {n}")
+    check_ranges(argparse.Namespace(threads=n), {"threads": THREADS})
     torch.set_num_threads(n)
 
 
@@ -143,13 +142,16 @@ class Range:
         return " and ".join(b for b in (low, high) if b)
 
 
+THREADS = Range(1, 1024)  # --threads: at least one, at most what a large machine has
+
+
 def check_ranges(args, ranges: dict[str, Range]) -> None:
     """A ValueError naming the first flag (by its argparse dest) whose value, or one of whose values, is outside
-    its Range; None (a flag left unset) passes."""
+    its Range; None (a flag left unset) and a word (--num-blocks auto) pass."""
     for dest, allowed in ranges.items():
         value = getattr(args, dest)
         for v in value if isinstance(value, list) else [value]:
-            if v is not None and not allowed.holds(v):
+            if v is not None and not isinstance(v, str) and not allowed.holds(v):
                 raise ValueError(f"--{dest.replace('_', '-')} must be {allowed}, got {number(v)}")
 
 

@@ -60,7 +60,7 @@ SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "repetition_p
 MAX_LOGPROBS = 20  # --logprobs at most, as OpenAI's top_logprobs: each alternative is decoded and printed per token
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Generate text with a Llama-family model. The text goes to stdout as "
                                 "it is produced; a summary line to stderr (README, Use).")
     g = p.add_argument_group("input")
@@ -121,7 +121,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--prompt-lookup", action="store_true", help="draft from earlier matches in the context")
     g.add_argument("--speculate-k", type=int, default=4, metavar="K", help="tokens per draft, >= 1 (default 4)")
     p.add_argument("--version", action="version", version=version_line())
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +270,7 @@ def window_of(args: argparse.Namespace) -> SinkWindow | None:
     if args.ctx_size is not None:
         raise ValueError("--cache-window lets a sequence run past the context; it cannot take --ctx-size")
     window = SinkWindow(4 if args.sink_tokens is None else args.sink_tokens, args.cache_window)
-    window.check(UNBOUNDED)
+    window.check()
     return window
 
 

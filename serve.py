@@ -40,8 +40,8 @@ import sys
 import threading
 import time
 
-from cli import (DTYPES, THREADS_HELP, WEIGHTS_CACHE_HELP, default_model, pick_device, pick_dtype, run_cli, set_threads,
-                 weights_cache)
+from cli import (DTYPES, THREADS, THREADS_HELP, WEIGHTS_CACHE_HELP, Range, check_ranges, default_model, pick_device,
+                 pick_dtype, run_cli, set_threads, weights_cache)
 from features.sinks import SinkWindow
 from features.toolcalls import FORMATS
 from serving.app import make_app
@@ -56,7 +56,15 @@ def num_blocks_arg(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+# Each numeric flag's allowed values (cli.check_ranges), checked before the model loads; --num-blocks also takes auto.
+RANGES = {"max_model_len": Range(1, 2**24), "port": Range(0, 65535), "block_size": Range(1, 4096),
+          "num_blocks": Range(2, 2**24), "max_running": Range(1, 65536), "max_waiting": Range(1, 10**6),
+          "token_budget": Range(1, 2**24), "cache_window": Range(1, 2**24), "sink_tokens": Range(0, 2**20),
+          "max_body_bytes": Range(1, 2**31), "header_timeout": Range(0, 86400, above=True),
+          "max_connections": Range(1, 10**6), "shutdown_timeout": Range(0, 86400), "threads": THREADS}
+
+
+def build_parser() -> argparse.ArgumentParser:
     defaults, serving = EngineConfig(), ServeConfig()
     p = argparse.ArgumentParser(description="Serve a model over an OpenAI-compatible HTTP API "
                                 "(/v1/completions, /v1/chat/completions), with continuous batching.")
@@ -125,30 +133,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
     p.add_argument("--weights-cache", default=None, metavar="DIR", help=WEIGHTS_CACHE_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """A ValueError for a flag out of range, before the model loads."""
-    for flag in ("block_size", "max_running", "max_waiting", "token_budget", "max_body_bytes", "max_connections",
-                 "max_model_len"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    """A ValueError for a flag out of range or flags that do not go together, before the model loads."""
+    check_ranges(args, RANGES)  # --num-blocks >= 2: block 0 only pads block tables
     if args.deterministic:
         check_deterministic(args.compile, False)
     if args.sink_tokens is not None and args.cache_window is None:
         raise ValueError("--sink-tokens needs --cache-window (the rolling cache the sinks stay in)")
     if args.cache_window is not None:
         SinkWindow(EngineConfig.sink_tokens if args.sink_tokens is None else args.sink_tokens,
-                   args.cache_window).check(sys.maxsize)  # the model's context is checked by the engine
-    if args.num_blocks != "auto" and args.num_blocks < 2:
-        raise ValueError(f"--num-blocks must be >= 2 (block 0 only pads block tables), got {args.num_blocks}")
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if not 0 <= args.shutdown_timeout < float("inf"):
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    if not 0 < args.header_timeout < float("inf"):
-        raise ValueError(f"--header-timeout must be > 0 seconds, got {args.header_timeout}")
+                   args.cache_window).check()  # the model's context is checked by the engine
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError(f"--api-key (or ${API_KEY_ENV}) is empty; leave it unset to serve without a key")
 

@@ -40,15 +40,16 @@ class SinkWindow:
     sinks: int | tuple[int, ...]
     window: int
 
-    def check(self, context: int) -> None:
-        """Raise a ValueError naming a bad value: 0 <= sinks < window <= the model's context."""
+    def check(self, context: int | None = None) -> None:
+        """Raise a ValueError naming a bad value: 0 <= sinks < window <= the model's context (None: not known yet,
+        as when the flags are checked before the model loads)."""
         counts = self.sinks if isinstance(self.sinks, tuple) else (self.sinks,)
         if min(counts) < 0:
             raise ValueError(f"sink_tokens (--sink-tokens) must be >= 0, got {min(counts)}")
         if self.window <= max(counts):
             raise ValueError(f"cache_window (--cache-window) must be larger than the {max(counts)} sink tokens, "
                              f"got {self.window}")
-        if self.window > context:
+        if context is not None and self.window > context:
             raise ValueError(f"cache_window (--cache-window) {self.window} is larger than the model's context of "
                              f"{context}: RoPE positions within the window must be ones the model knows")
 

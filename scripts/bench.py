@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from cli import (DTYPES, Range, check_output_file, check_ranges, default_model, pick_device, pick_dtype, run_cli,
-                 set_threads)
+from cli import (DTYPES, THREADS, Range, check_output_file, check_ranges, default_model, pick_device, pick_dtype,
+                 run_cli, set_threads)
 from decode import generate, generate_batch
 from load import load_model
 from model import ModelArgs, Transformer
@@ -404,7 +404,7 @@ def cpu_class() -> str:
 
 # Each numeric flag's allowed values (cli.check_ranges), checked before anything runs.
 RANGES = {"batch_size": Range(1, 4096), "prompt_len": Range(1, 2**20), "new_tokens": Range(2, 2**20),
-          "runs": Range(1, 1000), "threads": Range(1, 1024), "memory_gib": Range(0, 2**20, above=True),
+          "runs": Range(1, 1000), "threads": THREADS, "memory_gib": Range(0, 2**20, above=True),
           "context": Range(1, 2**24), "bandwidth_gbs": Range(0, 1e6, above=True),
           "peak_tflops": Range(0, 1e6, above=True), "kv_bytes": Range(0, 8, above=True)}
 

@@ -114,3 +114,59 @@ def test_quality_names_a_device_it_lacks(capsys, monkeypatch):
     assert quality.main(["--device", "cuda"]) == 1
     err = capsys.readouterr().err
     assert err == "error: device 'cuda' requested but CUDA is not available\n", err
+
+
+# generate.py's numeric flags run for real on a tiny model: a value either runs or is one error line.
+GENERATE_COMPANIONS = {"sink_tokens": ["--cache-window", "16"], "speculate_k": ["--prompt-lookup"]}
+
+
+def generate_cases() -> list[tuple[str, int]]:
+    import generate
+
+    return [(a.dest, v) for a in numeric_flags(generate.build_parser()) for v in VALUES]
+
+
+@pytest.mark.parametrize("dest,value", generate_cases())
+def test_generate_numeric_flag_table(dest, value, capsys, tiny_text_dir):
+    import generate
+
+    flag = next(a.option_strings[-1] for a in generate.build_parser()._actions if a.dest == dest)
+    argv = ["--model", tiny_text_dir, "--prompt", "hi", "-n", "2", "--quiet", *GENERATE_COMPANIONS.get(dest, []),
+            flag, str(value)]
+    code = generate.main(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    if code == 1:
+        assert err.count("\n") == 1 and err.startswith("error: "), err
+    else:
+        assert code == 0 and "error" not in err, (code, err)  # --quiet: only what a flag adds (--logprobs' table)
+
+
+def serve_cases() -> list[tuple[str, int]]:
+    import serve
+
+    return [(a.dest, v) for a in serve.build_parser()._actions if a.dest in serve.RANGES for v in VALUES]
+
+
+def test_every_serve_numeric_flag_has_a_range():
+    import serve
+
+    numeric = {a.dest for a in numeric_flags(serve.build_parser())} | {"num_blocks"}  # --num-blocks N or auto
+    assert numeric == set(serve.RANGES), sorted(numeric ^ set(serve.RANGES))
+
+
+@pytest.mark.parametrize("dest,value", serve_cases())
+def test_serve_numeric_flag_table(dest, value):
+    """serve.py's flags are checked before the model loads (check_flags): a value out of its range is one
+    ValueError naming the flag; one in it is what a server may start with (not started here)."""
+    import serve
+
+    flag = next(a.option_strings[0] for a in serve.build_parser()._actions if a.dest == dest)
+    companions = ["--cache-window", "16"] if dest == "sink_tokens" else []
+    args = serve.parse_args([*companions, flag, str(value)])
+    if serve.RANGES[dest].holds(value):
+        serve.check_flags(args)
+        return
+    with pytest.raises(ValueError) as e:
+        serve.check_flags(args)
+    assert str(e.value).startswith(f"{flag} must be ") and "\n" not in str(e.value)

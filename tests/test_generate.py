@@ -69,7 +69,7 @@ def error_of(cli_error, argv: list[str]) -> str:
     (["--prompt", "-", "--interactive", "--chat"], "--prompt - reads the prompt from stdin, where --interactive reads"),
     (["-f", "nope.txt"], "prompt file 'nope.txt' does not exist"),
     (["-p", "hi", "--ctx-size", "1"], "--ctx-size must be >= 2 (a prompt token and a new one), got 1"),
-    (["-p", "hi", "--threads", "0"], "--threads must be >= 1, got 0"),
+    (["-p", "hi", "--threads", "0"], "--threads must be >= 1 and <= 1024, got 0"),
     (["--prompt", "hi", "--quantize", "int3"], "unknown quantization mode 'int3'"),
     (["--prompt", "hi", "--quantize", "int4:48"], "group size '48'"),
     (["--prompt", "hi", "--draft-quantize", "fp8"], "unknown quantization mode 'fp8'"),

@@ -478,7 +478,7 @@ def test_pool_without_a_usable_block_is_one_line(blocks):
     r = subprocess.run([sys.executable, "serve.py", "--num-blocks", blocks], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 1, r.stderr
-    assert r.stderr.strip() == f"error: --num-blocks must be >= 2 (block 0 only pads block tables), got {blocks}"
+    assert r.stderr.strip() == f"error: --num-blocks must be >= 2 and <= 16777216, got {blocks}"
 
 
 def test_default_pool_holds_the_whole_context(server):
@@ -897,9 +897,12 @@ def test_max_connections_over_the_file_limit_is_one_line(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--header-timeout", "0"], "--header-timeout must be > 0 seconds, got 0.0"),
-    (["--header-timeout", "inf"], "--header-timeout must be > 0 seconds, got inf"),
-    (["--max-connections", "0"], "--max-connections must be >= 1, got 0"),
+    (["--header-timeout", "0"], "--header-timeout must be > 0 and <= 86400, got 0"),
+    (["--header-timeout", "inf"], "--header-timeout must be > 0 and <= 86400, got inf"),
+    (["--header-timeout", "nan"], "--header-timeout must be > 0 and <= 86400, got nan"),
+    (["--max-connections", "0"], "--max-connections must be >= 1 and <= 1000000, got 0"),
+    (["--port", "65536"], "--port must be >= 0 and <= 65535, got 65536"),
+    (["--num-blocks", "1"], "--num-blocks must be >= 2 and <= 16777216, got 1"),
 ])
 def test_connection_flags_out_of_range(flags, message):
     with pytest.raises(ValueError) as e:

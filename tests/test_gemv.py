@@ -81,6 +81,7 @@ def test_compiled_gemv_equals_eager():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n, k", [(64, 64), (40, 128), (17, 576)])
 @pytest.mark.parametrize("rows", [1, 5, 20])
 def test_int4_linear_in_words_layout_matches_reference(n, k, rows):
@@ -110,6 +111,7 @@ def test_compiled_layouts_picks_words_where_torch_dispatches_avx2(monkeypatch):
         assert {m.kernel for m in model.modules() if isinstance(m, q.Int4Linear)} == {"cpu"}, capability
 
 
+@pytest.mark.slow
 def test_model_decodes_in_words_layout_as_in_plain_layout():
     """A whole int4 model, its logits for a prefill and one-token decode steps, in the words layout against the plain
     layout (dequantize-then-matmul, float32 throughout): the same weights, the same logits within float32 rounding."""
@@ -131,6 +133,7 @@ def test_model_decodes_in_words_layout_as_in_plain_layout():
     torch.testing.assert_close(logits["words"], logits[None], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [1, 20])
 def test_act_order_module_in_words_layout_matches_reference(rows):
     """A GPTQ act-order module (its codes' columns in in_perm's input order) gathers x the same way in the words

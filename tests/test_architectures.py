@@ -25,7 +25,6 @@ def tokens(seq: int = SEQ_LEN, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 160, (1, seq), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.slow
 def test_qwen_biases_and_norms_reach_the_model():
     """Random biases and q/k norm weights (tiny_models draws them) land in the fused rows and norms they belong to."""
     hf = make_hf("qwen2")

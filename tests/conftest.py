@@ -1,8 +1,7 @@
 """Fixtures shared by the test files: the SmolLM2 GGUF, its model and tokenizer (loaded once per session), a tiny
 random model and its saved folder (also with a tokenizer), an int4 checkpoint written by export.py, and the CLI's
-one-line error check;
-and the guard that keeps the fast subset (`-m "not slow"`) fast: a test not marked slow fails when it asks for a
-SmolLM2 fixture, starts a process or calls torch.compile.
+one-line error check. And the guard that keeps the fast subset (`-m "not slow"`) fast: a test not marked slow fails
+when it loads SmolLM2's weights, starts a process or calls torch.compile (tests/test_guard.py checks it).
 Plain helper functions live in tiny_models.py and helpers.py (test files never import each other)."""
 import importlib.util
 import multiprocessing.process
@@ -12,6 +11,8 @@ import traceback
 
 import pytest
 import torch
+
+pytest_plugins = ("pytester",)  # tests/test_guard.py runs pytest on test files of its own
 
 # The tests run many small forwards: with one thread no op pays OpenMP's fork/join, which costs more than the
 # work itself on tiny matrices and many times more when other processes keep the cores busy.
@@ -55,8 +56,9 @@ def project_frames() -> str:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """While a test not marked slow runs (its setup, body and teardown), starting a process (subprocess.Popen, so
     subprocess.run too; multiprocessing and torch.multiprocessing.spawn), calling torch.compile, loading SmolLM2's
-    weights (load.load_gguf on its file, whoever calls it) or asking for a SmolLM2 model fixture by name fails it. pytest.fail raises a BaseException, which `except Exception` (Step's
-    fallback to eager after a failed compile) does not swallow."""
+    weights (load.load_gguf on its file, whoever calls it) or asking for a SmolLM2 model fixture by name fails it.
+    pytest.fail raises a BaseException, which `except Exception` (Step's fallback to eager after a failed compile)
+    does not swallow."""
     if item.get_closest_marker("slow") is not None:
         return (yield)
 
@@ -65,6 +67,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             pytest.fail(f"{item.nodeid} is not marked slow but {what} (from {project_frames()}): {SLOW}",
                         pytrace=False)
         return refused
+
+    class RefusedPopen(subprocess.Popen):  # still a class: isinstance and subclasses made meanwhile keep working
+        __init__ = refuse("starts a subprocess (subprocess.Popen)")
 
     getfixturevalue = pytest.FixtureRequest.getfixturevalue
 
@@ -84,7 +89,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(load, "load_gguf", guarded_load_gguf)
-        patch.setattr(subprocess, "Popen", refuse("starts a subprocess (subprocess.Popen)"))
+        patch.setattr(subprocess, "Popen", RefusedPopen)
         patch.setattr(multiprocessing.process.BaseProcess, "start", refuse("starts a process (multiprocessing)"))
         patch.setattr(torch, "compile", refuse("calls torch.compile"))
         patch.setattr(pytest.FixtureRequest, "getfixturevalue", guarded_getfixturevalue)

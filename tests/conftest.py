@@ -34,6 +34,24 @@ def smollm2_path() -> str | None:
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--order", default="file", metavar="ORDER",
+                     help="the order tests run in: file (default), reverse, or random:SEED (shuffled): no test may "
+                     "depend on another having run first")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    order = config.getoption("--order")
+    if order == "reverse":
+        items.reverse()
+    elif order.startswith("random:"):
+        import random
+
+        random.Random(int(order.removeprefix("random:"))).shuffle(items)
+    elif order != "file":
+        raise pytest.UsageError(f"--order {order!r}: choose file, reverse or random:SEED")
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """A fast test that asks for a SmolLM2 fixture fails before the fixture loads anything (fixtures asked for
     through request.getfixturevalue are refused by the guard below)."""

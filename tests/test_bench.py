@@ -30,6 +30,7 @@ def test_plan_mistral_7b_gqa(capsys):
     assert "KV cache: 128 KiB/token, 0.5 GiB per sequence at 4096 tokens" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_benchmark_table_and_json(tiny_dir, tmp_path, capsys):
     out_file = tmp_path / "result.json"
     assert bench.main(["--model", tiny_dir, "--dtype", "float32", "--runs", "2", "--new-tokens", "6",
@@ -46,6 +47,7 @@ def test_benchmark_table_and_json(tiny_dir, tmp_path, capsys):
     assert r["tpot_ms"] > 0 and r["decode_tok_s"] > 0 and r["weight_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_engine_benchmark_and_the_table_of_runs(tiny_dir, tmp_path, capsys):
     """--engine: each batch size decoded together by the serving engine, the step time beside the 1-row step's;
     --table: the --json files of several runs as one table, each decode speed beside the float weights' run."""
@@ -95,6 +97,7 @@ def test_mixtral_counts_and_plan(capsys):
     assert bf16.split()[1:4] == ["86.99", "108", "186.3"] and bf16.split()[-1] == "23.99"
 
 
+@pytest.mark.slow
 def test_mixtral_benchmark_counts_active_bytes(tmp_path, capsys):
     """A tiny Mixtral benchmarked end to end; a batch-1 step reads k of E experts' bytes, a batch more of them."""
     from tiny_models import hf_to_ours, make_hf

@@ -94,6 +94,7 @@ def forced_logits(step: Step, prompt: list[int], tokens: list[int]) -> torch.Ten
     return torch.cat(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [None, "int8", "int4:32"])
 def test_cuda_graph_decode_matches_eager_without_recompiling(models, mode):
     """reduce-overhead (CUDA graphs) decode == eager over 32 greedy steps; a second generation of the same
@@ -140,6 +141,7 @@ def test_cuda_mixtral_matches_cpu(mode):
     assert rel_err(got.cpu(), ref) < (0.05 if mode == "int8" else 0.5)
 
 
+@pytest.mark.slow
 def test_cuda_blocks_decode_matches_eager(models):
     """The blocks mode (one compiled Block.forward for every layer) on CUDA == eager over 24 greedy steps."""
     import torch._dynamo
@@ -152,6 +154,7 @@ def test_cuda_blocks_decode_matches_eager(models):
     assert (forced_logits(Step(model, "blocks"), prompt, tokens) - eager).abs().max() <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["none", "full"])
 def test_cuda_engine_matches_cpu_single_runs(models, mode):
     """The engine on CUDA: continuous batching with chunked prefill over the paged cache, its decode batches eager or

@@ -71,6 +71,7 @@ def test_bucket_pads_to_powers_of_two_up_to_the_cap():
     assert [bucket(n, 12) for n in (1, 2, 3, 4, 5, 8, 9, 12)] == [1, 2, 4, 4, 8, 8, 12, 12]
 
 
+@pytest.mark.slow
 def test_a_compiled_step_on_buckets_matches_eager_and_compiles_twice(model, monkeypatch):
     """The engine as it runs CUDA graphs, on CPU: a "full" compiled decode step over padded batches. Batches of 1 to 7
     rows run 1, 2, 4 or 8 (padded) rows and the tokens are eager's; Dynamo compiles the one-token graph twice (one

@@ -458,6 +458,7 @@ def test_readme_command_with_the_default_model(capability, monkeypatch):
     assert re.search(r"weights [0-9.]+ MB int4:32 \(\+head int8:32\)$", summary), summary  # in float32 too
 
 
+@pytest.mark.slow
 def test_a_failed_compile_is_reported_as_eager(capsys, monkeypatch, tiny_text_dir):
     """With auto, a compile that fails (no C++ compiler) falls back to eager: the summary line then says so, instead
     of naming the compiled blocks and labelling an eager step as the compile."""

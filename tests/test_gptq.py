@@ -167,6 +167,7 @@ def test_learned_rounding_reduces_block_error(tiny):
     assert error(100) < 0.8 * error(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "awq+gptq", "round", "awq+round"])
 def test_calibrated_model_closer_than_rtn(tiny, method):
     """On a tiny random model, GPTQ's and learned rounding's int4:64 logits (after AWQ's folded scales too) are closer
@@ -185,6 +186,7 @@ def test_calibrated_model_closer_than_rtn(tiny, method):
     assert err["cal"] < err["rtn"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,act_order", [("awq+round", False), ("gptq", True)])
 def test_tune_grid_lowers_kl_with_codes_fixed(tiny, method, act_order):
     """--tune: the grid tuned end to end leaves every code and act-order as rounding chose them, moves the scales and

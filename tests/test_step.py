@@ -13,6 +13,7 @@ from kvcache import KVCache
 from step import COMPILE_PAYS_AFTER, Step, auto_mode, device_paths, eager, gemv_backend
 
 
+@pytest.mark.slow
 def test_step_modes(tiny):
     assert Step(tiny).mode == "none" and Step(tiny, "none").mode == "none"
     assert Step(tiny, "full").mode == "full" and Step(tiny, compile_prefill=True).mode == "full"
@@ -22,6 +23,7 @@ def test_step_modes(tiny):
         Step(tiny, "fast")
 
 
+@pytest.mark.slow
 def test_auto_compiles_blocks_for_a_dense_model_in_one_cpu_process(tiny):
     from tiny_models import hf_to_ours, make_hf
 
@@ -122,6 +124,7 @@ def with_q8_0_head(model, monkeypatch):
     return model
 
 
+@pytest.mark.slow
 def test_a_compiled_step_runs_the_q8_0_heads_words(tiny, monkeypatch, capsys):
     """blocks runs a Q8_0 head's words (quantize.compiled_head); eager and full run its halves, and so does a step
     whose compile failed, whatever forward (prefill or decode) compiled first."""
@@ -139,6 +142,7 @@ def test_a_compiled_step_runs_the_q8_0_heads_words(tiny, monkeypatch, capsys):
     assert torch.equal(fell_back, greedy_steps(Step(model), [7, 8, 9], 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head", ["int4", "q8_0"])
 def test_a_verify_runs_the_compiled_block_row_for_row(tiny, head, monkeypatch):
     """Under blocks, a verify (every position's logits, a few tokens) runs the compiled block too: its rows equal
@@ -166,6 +170,7 @@ def test_a_verify_runs_the_compiled_block_row_for_row(tiny, head, monkeypatch):
 
 
 
+@pytest.mark.slow
 def test_a_chat_runs_eager_until_its_decoded_tokens_pay_for_the_compile(tiny, monkeypatch):
     """pay_as_you_go (generate.py --interactive): auto starts eager and compiles blocks only once the answers so far
     have decoded COMPILE_PAYS_AFTER tokens, between answers; an explicit mode compiles at once; a model auto never
@@ -191,6 +196,7 @@ def broken_compile(fn, **kwargs):
     return fail
 
 
+@pytest.mark.slow
 def test_auto_blocks_fall_back_to_eager_when_compiling_fails(tiny, monkeypatch, capsys):
     """The default must run where torch.compile cannot (no C++ compiler): one warning, then eager's logits, and the
     step says it runs eagerly (what the summary line reads). Asked for explicitly (--compile blocks), the failure
@@ -207,6 +213,7 @@ def test_auto_blocks_fall_back_to_eager_when_compiling_fails(tiny, monkeypatch, 
         greedy_steps(Step(tiny, "blocks"), [7, 8, 9], 1)
 
 
+@pytest.mark.slow
 def test_a_compile_failure_is_a_one_line_value_error(tiny, monkeypatch):
     monkeypatch.setattr(torch, "compile", broken_compile)
     step = Step(tiny, "full")

@@ -279,6 +279,7 @@ def test_sentencepiece_gguf_matches_folder_and_transformers(spm_from_gguf, spm, 
     assert (spm_from_gguf.bos_id, spm_from_gguf.eos_ids, spm_from_gguf.add_bos) == (1, [2], True)
 
 
+@pytest.mark.slow
 def test_llama_bpe_gguf_matches_transformers(smollm, tmp_path):
     from transformers import AutoTokenizer
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from cli import Range, check_ranges, default_model, pick_device, run_cli
+from cli import Range, check_ranges, default_model, pick_device, read_text_file, run_cli
 from kvcache import KVCache
 from features.gptq import (CALIBRATION_FILE, METHODS, SEQ_LEN, calibration_sequences, quantize_calibrated,
                   sampled_sequences)
@@ -53,13 +53,9 @@ def compare(ref: torch.Tensor, test: torch.Tensor, tokens: list[int]) -> dict[st
 
 def load_eval_tokens(tokenizer, text_file: str = DATA_FILE, max_tokens: int | None = None,
                      flag: str = "--text") -> list[int]:
-    """The tokens of a UTF-8 text file, at most max_tokens (and at most the model's context, by the caller)."""
-    try:
-        with open(text_file, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {flag} {text_file!r}: {e}") from None
-    tokens = tokenizer.encode(text)
+    """The tokens of a UTF-8 text file, at most max_tokens (and at most the model's context, by the caller); one
+    error line naming the flag for a missing file or one that is not UTF-8 (the byte's offset)."""
+    tokens = tokenizer.encode(read_text_file(text_file, flag))
     if len(tokens) < 2:
         raise ValueError(f"{flag} {text_file!r} has fewer than 2 tokens: nothing to predict")
     return tokens[:max_tokens] if max_tokens else tokens

@@ -135,7 +135,12 @@ def test_cli_perplexity_table(tiny_text_dir, tmp_path, capsys):
 def test_cli_missing_text_file_is_one_error_line(tiny_text_dir, tmp_path, cli_error):
     missing = str(tmp_path / "nope.txt")
     err = cli_error(quality.main, ["--model", tiny_text_dir, "--text", missing])
-    assert "cannot read --text" in err and "nope.txt" in err
+    assert err == f"error: --text {missing!r} does not exist"
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("Caf\u00e9 au lait.".encode("latin-1"))
+    for flag, methods in (("--text", "rtn"), ("--calibration", "gptq")):
+        err = cli_error(quality.main, ["--model", tiny_text_dir, "--methods", methods, flag, str(latin1)])
+        assert err == f"error: {flag} {str(latin1)!r} is not UTF-8 text (invalid continuation byte at byte 3)", err
 
 
 def test_cli_text_too_short(tiny_text_dir, tmp_path, cli_error):

@@ -52,7 +52,7 @@ def prefill(step: Step, tokens: list[int], start: int, cache: KVCache | SinkKVCa
     spans = cache.spans(start, end) if isinstance(cache, SinkKVCache) else [(start, end)]
     for a, b in spans:
         logits = step(torch.tensor([tokens[a - start:b - start]], device=device), torch.arange(a, b, device=device),
-                      cache)
+                      cache, prefill=True)
     return logits
 
 

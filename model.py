@@ -101,9 +101,9 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int
     return mask
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, cached: bool) -> torch.Tensor:
-    """Attention.attend's default: q (B, H, T, D), k and v (B, K, S, D), mask (T, S) or (B, 1, T, S); `cached` is for
-    ops/cpu.py's. enable_gqa lets each group of H/K query heads share one kv head without copying the cache."""
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, steps: bool) -> torch.Tensor:
+    """Attention.attend's default: q (B, H, T, D), k and v (B, K, S, D), mask (T, S) or (B, 1, T, S); `steps` (the
+    queries are decode steps, not a prefill) is for ops/cpu.py's. enable_gqa lets each group of H/K query heads share one kv head without copying the cache."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
 
 
@@ -154,7 +154,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(*norm) if args.qk_norm else None
         self.scale, self.softcap = args.attn_scale, args.attn_softcap  # Gemma; None: SDPA's 1/sqrt(D), no cap
 
-    def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
+    def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None, steps: bool = False):
         B, T, _ = x.shape
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).split([(H + K) * D, K * D], dim=-1)  # (B, T, (H+K)*D), (B, T, K*D)
@@ -169,7 +169,7 @@ class Attention(nn.Module):
         if self.scale is not None or self.softcap is not None:
             y = written_attention(q, k, v, mask, self.scale or D ** -0.5, self.softcap)
         else:
-            y = self.attend(q, k, v, mask, cache is not None)  # (B, H, T, D)
+            y = self.attend(q, k, v, mask, steps)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y)
 
@@ -254,10 +254,10 @@ class Block(nn.Module):
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.all_reduce is None else self.all_reduce(x)
 
-    def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None):
+    def forward(self, x, input_pos, cos, sin, mask, cache: LayerKVCache | None, steps: bool = False):
         mask = mask[self.windowed] if isinstance(mask, tuple) else mask
         cos, sin = (cos[self.windowed], sin[self.windowed]) if isinstance(cos, tuple) else (cos, sin)
-        a = self.reduce(self.self_attn(self.input_layernorm(x), input_pos, cos, sin, mask, cache))
+        a = self.reduce(self.self_attn(self.input_layernorm(x), input_pos, cos, sin, mask, cache, steps))
         if self.sandwich:  # Gemma: each sublayer's input and output normed
             h = x + self.post_attention_layernorm(a)
             return h + self.post_feedforward_layernorm(self.reduce(self.mlp(self.pre_feedforward_layernorm(h))))
@@ -307,14 +307,15 @@ class Transformer(nn.Module):
         return self.rope_cos, self.rope_sin
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache | None = None,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, steps: bool = False) -> torch.Tensor:
         """tokens (B, T) at positions input_pos: (T,) shared by all rows, or (B, T) per row (batches of
         different lengths). With a cache, keys/values are written to it at input_pos and attention covers
-        every cached position; without one, only these T tokens.
+        every cached position; without one, only these T tokens. steps: the T tokens are decode steps (one, or a
+        speculative verify's), not a prefill, which a device's attention may compute otherwise (step.device_paths).
         Returns float32 logits (B, T, V), or (B, 1, V) for the last position unless all_logits."""
         x, cos, sin, mask = self.inputs(tokens, input_pos, cache)
         for i, layer in enumerate(self.layers):
-            x = layer(x, input_pos, cos, sin, mask, None if cache is None else cache.layers[i])
+            x = layer(x, input_pos, cos, sin, mask, None if cache is None else cache.layers[i], steps)
         return self.head(x, all_logits)
 
     def inputs(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache | None):

@@ -224,7 +224,8 @@ def generate(
         return hold_stop_ids(apply_logit_bias(logits, params), params, range(n_generated, n_generated + len(logits)),
                              stop_ids)
 
-    logits = step(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device), cache)
+    logits = step(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device), cache,
+                  prefill=True)
     first = Token(sample(target_logits(logits, 0), params, generator).item())
     tokens = list(prompt) + [first.id]
     first.end = end_reason(first.id, 1, len(tokens), max_new_tokens, max_seq, stop_ids, ignore_eos=params.ignore_eos)

@@ -49,26 +49,27 @@ def device_paths(model: Transformer) -> Transformer:
 
 
 def forward_logits(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
-                   all_logits: bool = False, block: Callable | None = None) -> torch.Tensor:
+                   all_logits: bool = False, block: Callable | None = None, steps: bool = False) -> torch.Tensor:
     """tokens (B, T) at input_pos (T,) or (B, T) -> the logits after the last token (B, V), or after every token
     (B, T, V). With T = 1 this is the decode step: fixed shapes, the function torch.compile compiles.
-    block(layer, x, input_pos, cos, sin, mask, layer_cache): what runs each layer in place of its own forward
-    (the blocks mode's compiled Block.forward); None: the model's own forward."""
+    block(layer, x, input_pos, cos, sin, mask, layer_cache, steps): what runs each layer in place of its own forward
+    (the blocks mode's compiled Block.forward); None: the model's own forward. steps: decode steps, not a prefill."""
     if block is None:
-        logits = model(tokens, input_pos, cache, all_logits=all_logits)
+        logits = model(tokens, input_pos, cache, all_logits=all_logits, steps=steps)
     else:
         x, cos, sin, mask = model.inputs(tokens, input_pos, cache)
         for layer, layer_cache in zip(model.layers, cache.layers):
-            x = block(layer, x, input_pos, cos, sin, mask, layer_cache)
+            x = block(layer, x, input_pos, cos, sin, mask, layer_cache, steps)
         logits = model.head(x, all_logits)
     return logits if all_logits else logits[:, -1]
 
 
 @contextmanager
-def gemv_backend(tokens: torch.Tensor):
+def gemv_backend(tokens: torch.Tensor, steps: bool = True):
     """A one-row step multiplies one row by every weight matrix (a GEMV). On CPU, MKL streams bf16 weights about
-    twice as fast as oneDNN there, while oneDNN is the faster one for two rows or more, so it is off for one row."""
-    if tokens.device.type != "cpu" or tokens.numel() != 1:
+    twice as fast as oneDNN there, while oneDNN is the faster one for two rows or more, so it is off for one row.
+    Not for a one-token prefill (steps False): it rounds as the same token in a longer prefill does."""
+    if tokens.device.type != "cpu" or tokens.numel() != 1 or not steps:
         yield
         return
     enabled = torch.backends.mkldnn.enabled
@@ -80,10 +81,10 @@ def gemv_backend(tokens: torch.Tensor):
 
 
 def eager(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
-          all_logits: bool = False, block: Callable | None = None) -> torch.Tensor:
+          all_logits: bool = False, block: Callable | None = None, steps: bool = False) -> torch.Tensor:
     """forward_logits with the matmul backend that suits the row count (gemv_backend)."""
-    with gemv_backend(tokens):
-        return forward_logits(model, tokens, input_pos, cache, all_logits, block)
+    with gemv_backend(tokens, steps):
+        return forward_logits(model, tokens, input_pos, cache, all_logits, block, steps)
 
 
 def own_code(fn: Callable) -> Callable:
@@ -222,27 +223,29 @@ class Step:
                              options={**guards, **vector_width(self.model)}) if prefill else forward_logits
         return one, many
 
-    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
-                 all_logits: bool = False) -> torch.Tensor:
-        """tokens (B, T) at input_pos (T,) or (B, T) -> logits (B, V), or (B, T, V) with all_logits."""
-        model, T = self.model, tokens.shape[1]
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, all_logits: bool = False,
+                 prefill: bool = False) -> torch.Tensor:
+        """tokens (B, T) at input_pos (T,) or (B, T) -> logits (B, V), or (B, T, V) with all_logits. prefill: the
+        tokens are a prompt's (or a chunk of it), which the CPU attends otherwise than decode steps (ops/cpu.py),
+        so that a prompt computes the same however it is split; else decode steps (one, or a verify's)."""
+        model, T, steps = self.model, tokens.shape[1], not prefill
         if self.deterministic:  # one backend and one shape per op (invariant.py), whatever the rows
             with BatchInvariant():
-                return forward_logits(model, tokens, input_pos, cache, all_logits)
+                return forward_logits(model, tokens, input_pos, cache, all_logits, None, steps)
         try:
-            if self.mode == "blocks" and (T == 1 or all_logits and T <= cpu.DECODE_QUERIES):
-                return eager(model, tokens, input_pos, cache, all_logits, block=self.block)
+            if self.mode == "blocks" and steps and T <= cpu.DECODE_QUERIES:
+                return eager(model, tokens, input_pos, cache, all_logits, self.block, steps)
             if self.mode == "full":
-                if T > 1:
-                    return self.many(model, tokens, input_pos, cache, all_logits)
+                if T > 1 or prefill:
+                    return self.many(model, tokens, input_pos, cache, all_logits, None, steps)
                 with gemv_backend(tokens):  # read at run time by the matmuls the compiled code calls
-                    return self.one(model, tokens, input_pos, cache, all_logits)
+                    return self.one(model, tokens, input_pos, cache, all_logits, None, steps)
             if self.mode != "none":  # a prefill: eager, but a compiled head compiles its kernel on the first
-                return eager(model, tokens, input_pos, cache, all_logits)
+                return eager(model, tokens, input_pos, cache, all_logits, None, steps)
         except torch._dynamo.exc.TorchDynamoException as e:
             if not self.fallback:
                 raise ValueError(f"{compile_failure(e)}; run with --compile none") from None
             print(f"warning: {compile_failure(e)}; decoding without it", file=sys.stderr)
             self.mode, self.failed = "none", True
             compiled_head(model, False)
-        return eager(model, tokens, input_pos, cache, all_logits)
+        return eager(model, tokens, input_pos, cache, all_logits, None, steps)

@@ -389,7 +389,7 @@ def sampled_sequences(model: nn.Module, tokens: list[int], n_tokens: int, seq_le
             nxt = torch.multinomial(probs, 1, generator=generator).to(device)  # (B, 1)
             rows = torch.cat([rows, nxt], dim=1)
             if t + 1 < seq_len:
-                logits = model(nxt, torch.tensor([t], device=device), cache)
+                logits = model(nxt, torch.tensor([t], device=device), cache, steps=True)
         out += rows.tolist()
     return out
 

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-DECODE_QUERIES = 16  # a cached forward of at most this many tokens (a speculative verify) attends as decode steps do
+DECODE_QUERIES = 16  # decode steps of at most this many queries (a speculative verify) attend as one decode step does
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -34,10 +34,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return y.permute(0, 1, 3, 2, 4).reshape(B, H, T, D).to(q.dtype)  # (B, H, T, D)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, cached: bool) -> torch.Tensor:
-    """model.Attention's attend on CPU: decode steps and verifies (a cached forward of at most DECODE_QUERIES
-    tokens) through decode_attention, longer forwards (prefill) through SDPA, which is faster for many queries."""
-    if q.shape[2] == 1 or cached and q.shape[2] <= DECODE_QUERIES:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, steps: bool) -> torch.Tensor:
+    """model.Attention's attend on CPU: decode steps and verifies (`steps`, at most DECODE_QUERIES queries) through
+    decode_attention; a prefill through SDPA however few its tokens (a chunk, or a prompt's last tokens after a
+    prefix-cache hit), since SDPA computes each query's row the same however the prompt is split: a prompt rounds
+    the same with or without a cache hit."""
+    if steps and q.shape[2] <= DECODE_QUERIES:
         return decode_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
 

@@ -60,7 +60,8 @@ def streaming_nlls(model: Transformer, tokens: list[int], shape: SinkWindow, ste
     report(NLLs so far) is called after every `every` predictions."""
     B, W = len(shape.sinks), min(shape.window, len(tokens) - 1)
     cache = SinkKVCache.for_model(model, B, shape)
-    logits = step(torch.tensor([tokens[:W]] * B), torch.arange(W).expand(B, W), cache, all_logits=True)  # (B, W, V)
+    logits = step(torch.tensor([tokens[:W]] * B), torch.arange(W).expand(B, W), cache, all_logits=True,
+                  prefill=True)  # (B, W, V)
     out = [nll(row, tokens[1:W + 1]) for row in logits]
     for t in tqdm(range(W, len(tokens) - 1), disable=not progress, desc="streaming", unit="tok"):
         logits = step(torch.tensor([[tokens[t]]] * B), torch.full((B, 1), t), cache)  # (B, V)

@@ -219,7 +219,7 @@ class Engine:
         pos = torch.arange(start, start + n, device=self.device)
         try:  # (1, V), or (1, n, V) when scoring
             logits = self.decode_step(tokens, pos, self._cache(self._tables([seq.blocks], len(seq.blocks))),
-                                      all_logits=scoring)
+                                      all_logits=scoring, prefill=True)
         except Exception as e:
             self.outputs.fail(seq, e)
             return None

@@ -37,8 +37,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, steps: bool) -> torch.Tensor:
     """model.Attention's attend on CPU: decode steps and verifies (`steps`, at most DECODE_QUERIES queries) through
     decode_attention; a prefill through SDPA however few its tokens (a chunk, or a prompt's last tokens after a
-    prefix-cache hit), since SDPA computes each query's row the same however the prompt is split: a prompt rounds
-    the same with or without a cache hit."""
+    prefix-cache hit), as the whole prompt's prefill does. SDPA's kernel mostly rounds a query's row the same for
+    any number of queries (SmolLM2's shapes: a cache hit answers as a miss, tests/test_engine.py), decode_attention
+    never as SDPA; --deterministic makes every split alike."""
     if steps and q.shape[2] <= DECODE_QUERIES:
         return decode_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)

@@ -173,6 +173,9 @@ def test_served_logprobs_are_bitwise_equal_only_when_deterministic(tiny):
     default = scenarios(tiny, False, target, 12, warm)
     for name in ("15 concurrent", "chunked prefill", "prefix-cache hit"):
         assert det[name] == det["alone"], name
+    # The default mode rounds a batch's rows and a chunked prompt otherwise; a prefix-cache hit's last tokens go
+    # through SDPA as the whole prefill's do (ops/cpu.py), equal here, though SDPA's rows are not invariant in general.
+    for name in ("15 concurrent", "chunked prefill"):
         assert default[name] != default["alone"], f"the default mode gave equal logprobs for {name}"
 
 

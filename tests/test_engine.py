@@ -140,9 +140,9 @@ def test_engine_runs_the_step_it_is_given(model):
     shapes = []
 
     class Recording(Step):
-        def __call__(self, tokens, input_pos, cache, all_logits=False):
+        def __call__(self, tokens, input_pos, cache, all_logits=False, prefill=False):
             shapes.append(tuple(tokens.shape))
-            return super().__call__(tokens, input_pos, cache, all_logits)
+            return super().__call__(tokens, input_pos, cache, all_logits, prefill)
 
     step = Recording(model)
 
@@ -304,6 +304,24 @@ def test_smollm2_concurrent_greedy_equals_single_runs(smollm2):
     eng = Engine(model, tok, EngineConfig(block_size=16, num_blocks=256, token_budget=128))
     got = eng.generate(prompts, max_new_tokens=24)
     assert [c.tokens for c in got] == expected
+
+
+@pytest.mark.slow
+def test_smollm2_a_prefix_cache_hit_answers_as_a_miss(smollm2_gguf, smollm2_tokenizer):
+    """SmolLM2 as loaded by default (int4 codes, the Q8_0 head in bf16, where "The" and "L" are a near-tie for this
+    chat's first token): the same chat twice, the second a prefix-cache hit whose last 5 tokens are prefilled alone,
+    gives the first's tokens and generate()'s. The 5 went through decode_attention once and answered otherwise."""
+    from load import load_model
+
+    model, _ = load_model(smollm2_gguf, "cpu", torch.float32)
+    tok = smollm2_tokenizer
+    chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+                      bos=False)
+    want = greedy_ids(model, chat, 12, stop_ids=tok.eos_ids)
+    eng = Engine(model, tok, EngineConfig(block_size=16, num_blocks=64))
+    first, second = (eng.generate([chat], max_new_tokens=12)[0].tokens for _ in range(2))
+    assert eng.stats()["blocks_cached"] >= len(chat) // 16  # the second was a hit
+    assert first == second == want, (tok.decode(first), tok.decode(second))
 
 
 # ---- parallel sampling (n, best_of), logprobs, prompt logprobs ----

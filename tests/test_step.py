@@ -76,6 +76,31 @@ def test_step_installs_the_cpus_paths_and_they_agree_with_the_models(tiny):
     assert all(a.attend is sdpa for a in fast.modules() if isinstance(a, Attention))
 
 
+def test_a_prefill_attends_through_sdpa_and_decode_steps_through_decode_attention(tiny, monkeypatch):
+    """On CPU, decode steps and a verify's (at most DECODE_QUERIES tokens) attend through ops/cpu.py's
+    decode_attention; a prefill through SDPA however few its tokens (a prompt's last ones after a prefix-cache hit,
+    one token included), as the same tokens in a longer prefill do."""
+    from ops import cpu
+
+    calls, decode_attention = [], cpu.decode_attention
+
+    def counted(q, k, v, mask):  # (the number of queries)
+        calls.append(q.shape[2])
+        return decode_attention(q, k, v, mask)
+
+    monkeypatch.setattr(cpu, "decode_attention", counted)
+    model = copy.deepcopy(tiny)
+    step, layers = Step(model), model.args.n_layers
+    cache = KVCache.for_model(model.args, 1, 32, torch.float32, "cpu")
+    step(torch.arange(1, 21)[None], torch.arange(20), cache, prefill=True)  # a long prefill
+    step(torch.arange(1, 6)[None], torch.arange(20, 25), cache, prefill=True)  # 5 more, as after a cache hit
+    step(torch.tensor([[7]]), torch.tensor([25]), cache, prefill=True)  # and one
+    assert calls == []
+    step(torch.tensor([[7]]), torch.tensor([26]), cache)  # a decode step
+    step(torch.arange(1, 5)[None], torch.arange(27, 31), cache, all_logits=True)  # a verify of 4
+    assert calls == [1] * layers + [4] * layers
+
+
 def greedy_steps(step: Step, prompt: list[int], n: int, rows: int = 1) -> torch.Tensor:
     """Prefill `prompt` (in `rows` identical rows), then n greedy one-token steps: the logits (n + 1, rows, V)."""
     cache = KVCache.for_model(step.model.args, rows, len(prompt) + n, torch.float32, "cpu")

@@ -37,7 +37,6 @@ from cli import (MODEL_HELP, add_device_flags, check_seed, check_text, default_m
                  read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line, weights_cache)
 from decode import UNBOUNDED, Session, check_request, generate, generate_batch
 from features.chat import Output, chat, chat_tokens, load_tools, step_label
-from features.chat import tool_result  # noqa: F401  generate.tool_result, as tests/test_tools.py calls it
 from features.constraint import Constraint, check_constraint, json_schema_arg
 from features.grammar import Compiler
 from features.sinks import SinkWindow

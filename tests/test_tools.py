@@ -492,16 +492,16 @@ def test_cli_bad_tool_flags_are_one_line(cli_error, tmp_path, monkeypatch, flags
 
 def test_cli_tool_results(monkeypatch):
     """/tool ID RESULT answers a call of the last reply; the model replies once every call has its result."""
-    import generate
+    from features.chat import tool_result
 
     calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
              {"id": "b", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": calls}]
-    assert generate.tool_result(messages, '/tool a {"t": 1}') is True  # b still waits
+    assert tool_result(messages, '/tool a {"t": 1}') is True  # b still waits
     assert messages[-1] == {"role": "tool", "tool_call_id": "a", "content": '{"t": 1}'}
     with pytest.raises(ValueError, match=r"/tool takes the id of a call of the last reply \(a, b\)"):
-        generate.tool_result(messages, "/tool c 2")
-    assert generate.tool_result(messages, "/tool b 2") is False
+        tool_result(messages, "/tool c 2")
+    assert tool_result(messages, "/tool b 2") is False
 
 
 @pytest.mark.slow

@@ -102,8 +102,8 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, steps: bool) -> torch.Tensor:
-    """Attention.attend's default: q (B, H, T, D), k and v (B, K, S, D), mask (T, S) or (B, 1, T, S); `steps` (the
-    queries are decode steps, not a prefill) is for ops/cpu.py's. enable_gqa lets each group of H/K query heads share one kv head without copying the cache."""
+    """Attention.attend's default: q (B, H, T, D), k and v (B, K, S, D), mask (T, S) or (B, 1, T, S); enable_gqa
+    shares each kv head among H/K query heads without copying. `steps` (decode steps, not a prefill): ops/cpu.py's."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
 
 

@@ -14,9 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops import gemv
-from ops.qkernels import (KERNEL_DTYPE, ROW_BLOCK, int4_kernel, int4_mm, int8_kernel, layout_codes, pack_int4, to_layout,
-                     unpack_int4)
-from model import Parts
+from formats.parts import Parts
+from ops.qkernels import (KERNEL_DTYPE, ROW_BLOCK, int4_kernel, int4_mm, int8_kernel, layout_codes, pack_int4,
+                          to_layout, unpack_int4)
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels (tinygemm on CUDA, int4pack on CPU) accept
 DEFAULT_GROUP = 32  # on SmolLM2 (a Q4_1 GGUF, groups of 32) larger groups cost far more quality (dev/LOG.md)
@@ -92,7 +92,7 @@ def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torc
 
 class Int8Linear(Parts, nn.Module):
     """y = x @ (codes * scales)^T with int8 codes (N, K) and one symmetric scale per output channel.
-    parts: the checkpoint tensors it fuses (model.Parts), as the Linear it replaces."""
+    parts: the checkpoint tensors it fuses (formats.parts.Parts), as the Linear it replaces."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32, device=None,
                  parts: dict[str, int] | None = None, bias: bool = False):
@@ -150,7 +150,7 @@ class Int4Linear(Parts, nn.Module):
 
     `weight` holds the (N, K/2) bytes in the layout of the kernel the device uses (qkernels.py); the state
     dict always has the plain pack_int4 layout, so checkpoints do not depend on the machine that wrote them.
-    A part (model.Parts) is stored as an Int4Linear of its own shape stores it: padded to 16 rows.
+    A part (formats.parts.Parts) is stored as an Int4Linear of its own shape stores it: padded to 16 rows.
     act_order: column i of the codes is input in_perm[i] (GPTQ's act-order groups made contiguous at load); the
     kernel path gathers x's columns once per call, the reference path puts the weight's columns back."""
     ROW_DIMS = {"scales_and_zeros": 1}  # (K/G, N, 2)

@@ -11,7 +11,8 @@ import re
 import threading
 from functools import lru_cache
 
-from formats.vocab import NORMAL, byte_level_backend, read_sentencepiece_model, sentencepiece_backend, sentencepiece_pipeline
+from formats.vocab import (NORMAL, byte_level_backend, read_sentencepiece_model, sentencepiece_backend,
+                           sentencepiece_pipeline)
 
 
 def _bytes_to_unicode() -> dict[str, int]:

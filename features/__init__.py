@@ -1,1 +1,2 @@
-"""Optional features over the core: structured output, tool calling, attention sinks, tensor parallel, calibrated int4."""
+"""Optional features over the core: structured output, tool calling, the interactive chat, attention sinks, tensor
+parallel, calibrated int4."""

@@ -54,7 +54,9 @@ TUNE_LR = 1e-3  # Adam's learning rate for tune_grid's scales and zeros, decayin
 TUNE_NORM_LR = 3e-4  # and for the norms' weights beside them
 # Public-domain and project-written text, disjoint from quality.py's evaluation text: Genesis 1:1-19 (King James
 # Version), the Gettysburg Address, and short stories and prose written for this project.
-CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "calibration.txt")
+# the repository's data/, above features/
+CALIBRATION_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                                "calibration.txt")
 
 
 # ---- GPTQ ----

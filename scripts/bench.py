@@ -410,7 +410,8 @@ RANGES = {"batch_size": Range(1, 4096), "prompt_len": Range(1, 2**20), "new_toke
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scripts.bench", description="Decode/prefill benchmark against the memory-bandwidth roofline, "
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.bench", description="Decode/prefill benchmark against the memory-bandwidth roofline, "
                                 "and capacity planning (--plan).")
     p.add_argument("--model", default=None, help="checkpoint (default: the offline SmolLM2 GGUF)")
     p.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a published shape instead of --model")

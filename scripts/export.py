@@ -156,7 +156,8 @@ RANGES = {"calibration_tokens": Range(2, 2**31), "sampled_tokens": Range(0, 2**2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scripts.export", description="Quantize a checkpoint and write it to a folder.")
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.export", description="Quantize a checkpoint and write it to a folder.")
     p.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: as generate.py)")
     p.add_argument("--mode", required=True, help=MODES_HELP)
     p.add_argument("--quantize-head", action="store_true", help="quantize the LM head too")

@@ -253,7 +253,8 @@ RANGES = {"rates": Range(0, 1e6, above=True), "concurrency": Range(1, 10_000), "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scripts.loadtest", description="Load-test serve.py: streaming completions at Poisson arrival rates "
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.loadtest", description="Load-test serve.py: streaming completions at Poisson arrival rates "
                                 "and/or N concurrent closed-loop streams; prints a markdown table.")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback only)")
     p.add_argument("--rates", type=float, nargs="+", default=None, metavar="R",

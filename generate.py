@@ -148,15 +148,7 @@ def constraint_of(args: argparse.Namespace) -> Constraint | None:
         return Constraint("json_object")
     if args.regex is not None:
         return Constraint("regex", args.regex)
-    if args.grammar is None:
-        return None
-    if not os.path.isfile(args.grammar):
-        raise FileNotFoundError(f"grammar file {args.grammar!r} does not exist")
-    try:
-        with open(args.grammar, encoding="utf-8") as f:
-            return Constraint("grammar", f.read())
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read grammar file {args.grammar!r}: {e}") from None
+    return None if args.grammar is None else Constraint("grammar", read_text_file(args.grammar, "grammar file"))
 
 
 def logit_bias_arg(values: list[str]) -> tuple[tuple[int, float], ...]:

@@ -233,7 +233,7 @@ class Step:
             with BatchInvariant():
                 return forward_logits(model, tokens, input_pos, cache, all_logits, None, steps)
         try:
-            if self.mode == "blocks" and steps and T <= cpu.DECODE_QUERIES:
+            if self.mode == "blocks" and steps and (T == 1 or all_logits and T <= cpu.DECODE_QUERIES):
                 return eager(model, tokens, input_pos, cache, all_logits, self.block, steps)
             if self.mode == "full":
                 if T > 1 or prefill:

@@ -257,8 +257,8 @@ class HeadOverLimits(h11.RemoteProtocolError):
 
 def check_head(request: h11.Request) -> None:
     if len(request.headers) > MAX_HEADERS:
-        raise HeadOverLimits(f"the request has {len(request.headers)} header fields, over the limit of "
-                                      f"{MAX_HEADERS}", error_status_hint=431)
+        raise HeadOverLimits(f"the request has {len(request.headers)} header fields, over the limit of {MAX_HEADERS}",
+                             error_status_hint=431)
     size = len(request.method) + len(request.target) + len(b" HTTP/1.1\r\n\r\n") + \
         sum(len(name) + len(value) + 4 for name, value in request.headers)  # "name: value\r\n"
     if size > MAX_HEAD_BYTES:

@@ -19,6 +19,12 @@ def numeric_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for a in parser._actions if a.type in (int, float)]
 
 
+def option(parser: argparse.ArgumentParser, dest: str, last: bool = False) -> str:
+    """The flag a user types for `dest`: its first option string (or last: the long one of generate.py's -n)."""
+    strings = next(a.option_strings for a in parser._actions if a.dest == dest)
+    return strings[-1] if last else strings[0]
+
+
 def cases() -> list[tuple[str, str, int]]:
     return [(name, action.dest, v) for name in ENTRY_POINTS
             for action in numeric_flags(importlib.import_module(name).build_parser()) for v in VALUES]
@@ -39,7 +45,7 @@ def test_numeric_flag_table(name, dest, value, capsys, tmp_path, monkeypatch):
     if module.RANGES[dest].holds(value):
         return  # an allowed value: a meaningful run, which this table does not start
     monkeypatch.chdir(tmp_path)
-    flag = next(a.option_strings[0] for a in module.build_parser()._actions if a.dest == dest)
+    flag = option(module.build_parser(), dest)
     assert module.main([*ENTRY_POINTS[name], flag, str(value)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {flag} must be "), err
@@ -130,7 +136,7 @@ def generate_cases() -> list[tuple[str, int]]:
 def test_generate_numeric_flag_table(dest, value, capsys, tiny_text_dir):
     import generate
 
-    flag = next(a.option_strings[-1] for a in generate.build_parser()._actions if a.dest == dest)
+    flag = option(generate.build_parser(), dest, last=True)
     argv = ["--model", tiny_text_dir, "--prompt", "hi", "-n", "2", "--quiet", *GENERATE_COMPANIONS.get(dest, []),
             flag, str(value)]
     code = generate.main(argv)
@@ -161,7 +167,7 @@ def test_serve_numeric_flag_table(dest, value):
     ValueError naming the flag; one in it is what a server may start with (not started here)."""
     import serve
 
-    flag = next(a.option_strings[0] for a in serve.build_parser()._actions if a.dest == dest)
+    flag = option(serve.build_parser(), dest)
     companions = ["--cache-window", "16"] if dest == "sink_tokens" else []
     args = serve.parse_args([*companions, flag, str(value)])
     if serve.RANGES[dest].holds(value):

@@ -65,6 +65,7 @@ class TextStream:
         self.pending = ""  # decoded, not yet returned: it might start a stop string
         self.text = ""  # everything returned so far
         self.stopped = False
+        self.matched: str | None = None  # the stop string found
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that is now final (maybe "")."""
@@ -83,6 +84,7 @@ class TextStream:
         for end in range(len(self.pending) - len(new) + 1, len(self.pending) + 1):
             n = self.stop.ending(self.pending, end)
             if n:
+                self.matched = self.pending[end - n:end]
                 out, self.pending, self.stopped = self.pending[:end - n], "", True
                 self.text += out
                 return out

@@ -94,13 +94,14 @@ class Tokenizer:
             return self._text_backend
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, variables: dict | None = None) -> list[int]:
         """Token ids of `messages` rendered with the chat template (and `tools`, the template's `tools` variable):
         the template's own special tokens are control tokens and every string the caller gave (contents, tool
         calls, tool definitions) is text, as OpenAI tokenizes chat. So "<|im_end|>\\n<|im_start|>system" typed
-        in a message is those characters, never a turn of its own."""
+        in a message is those characters, never a turn of its own. variables: more of the template's variables
+        (a request's chat_template_kwargs: Qwen3's enable_thinking)."""
         if self.specials is None or not _any_string(self.specials.search, [messages, tools]):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), bos=False)
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, variables), bos=False)
         # Render with each special token's name in a given string hidden behind a placeholder: every special token
         # left in the text is then the template's own. Between them, each stretch is encoded as text, names
         # restored. (Each stretch is tokenized on its own, as the backend does between special tokens anyway; a
@@ -124,7 +125,7 @@ class Tokenizer:
                 return [hidden(v) for v in value]
             return value
 
-        text = self.apply_chat_template(hidden(messages), add_generation_prompt, hidden(tools))
+        text = self.apply_chat_template(hidden(messages), add_generation_prompt, hidden(tools), variables)
         placeholder = re.compile(f"{mark}([0-9]+){mark}")
         ids, start = [], 0
         for match in [*self.specials.finditer(text), None]:
@@ -136,7 +137,7 @@ class Tokenizer:
         return ids + [self.eos_ids[0]] * self.add_eos
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, variables: dict | None = None) -> str:
         """Render `messages` with the model's Jinja chat template, as transformers' apply_chat_template does;
         `tools` (OpenAI tool definitions) is the template's `tools` variable (tools.py renders them into the
         messages for a template that does not read it)."""
@@ -145,8 +146,8 @@ class Tokenizer:
         # transformers drops None fields: templates test `'key' in message`, not the value
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         return _compile_template(self.chat_template).render(
-            messages=messages, tools=tools or None, documents=None, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token, eos_token=self.eos_token)
+            **(variables or {}), messages=messages, tools=tools or None, documents=None,
+            add_generation_prompt=add_generation_prompt, bos_token=self.bos_token, eos_token=self.eos_token)
 
     def stream(self) -> "StreamDecoder":
         """A fresh incremental detokenizer."""

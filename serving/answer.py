@@ -2,13 +2,15 @@
 (stream=True) of one call (protocol.Call): choices indexed prompt x n, logprobs in chat's and completions' shapes,
 echo, tool calls read out of each choice's text, usage. Pure: app.py does the HTTP."""
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from features.reasoning import ReasoningParser
 from features.toolcalls import CallParser, merge_deltas
 from features.tools import message, tool_calls_reason
 from params import Token
 from serving.contract import Event
-from serving.protocol import Call
+from serving.protocol import Call, error_body
 
 
 def openai_reason(event: Event) -> str:
@@ -44,31 +46,86 @@ def completion_logprobs(ids: list[int], tokens: list[Token | None], tokenizer, o
             "top_logprobs": tops, "text_offset": offsets}
 
 
+class Reader:
+    """One choice's text, as it comes, -> chat deltas ({"reasoning_content"}, {"content"}, {"tool_calls"}): the
+    reasoning block split off first (features/reasoning.py), then tool calls read out of the content
+    (features/toolcalls.py). Without either, the text is the content. Every API's answer is shaped from these."""
+
+    def __init__(self, thinking: ReasoningParser | None = None, calls: CallParser | None = None):
+        self.thinking, self.parser = thinking, calls
+        self.content = ""
+        self.reasoning = ""
+
+    @property
+    def plain(self) -> bool:
+        return self.thinking is None and self.parser is None
+
+    @property
+    def calls(self) -> list[dict]:
+        return self.parser.calls if self.parser is not None else []
+
+    def feed(self, text: str, final: bool = False) -> list[dict]:
+        """The deltas of the next piece of text (final: the choice ended; whatever was held back comes out)."""
+        pieces = self.thinking.feed(text, final) if self.thinking is not None else [("content", text)]
+        deltas = []
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                deltas.append({"reasoning_content": piece})
+            elif self.parser is not None:
+                deltas += self.parser.feed(piece)
+            elif piece:
+                deltas.append({"content": piece})
+        if final and self.parser is not None:
+            deltas += self.parser.finish()
+        deltas = merge_deltas(deltas)
+        for delta in deltas:
+            self.content += delta.get("content", "")
+            self.reasoning += delta.get("reasoning_content", "")
+        return deltas
+
+    def message(self) -> dict:
+        """The assistant message of a chat answer: content, tool calls and reasoning (vLLM's reasoning_content)."""
+        said = message(self.content, self.calls) if self.parser is not None else \
+            {"role": "assistant", "content": self.content}
+        return {**said, "reasoning_content": self.reasoning} if self.thinking is not None else said
+
+
+def reader_of(call: Call, call_id: Callable[[], str] | None = None) -> Reader:
+    """A Reader of one choice's text for `call`: its reasoning tags and tools (call_id: a new call's id)."""
+    thinking = ReasoningParser(call.reasoning, call.thinking) if call.reasoning is not None else None
+    return Reader(thinking, call.tools.parser(call_id) if call.tools is not None else None)
+
+
 @dataclass
 class ResponseChoice:
     """One choice of an answer as its events arrive."""
     index: int
     prompt: int  # which of the call's prompts
+    reader: Reader
     text: str = ""
     ids: list[int] = field(default_factory=list)
     tokens: list[Token] = field(default_factory=list)
-    finish_reason: str | None = None
-    started: bool = False
-    parser: CallParser | None = None  # with tools: reads the calls out of the text as it comes
+    finish_reason: str | None = None  # OpenAI's: stop, length or tool_calls
+    ended: str | None = None  # the engine's reason (contract.Event.finish_reason): eos, stop, length, ...
+    stop_string: str | None = None  # the stop string that ended it
+    offset: int = 0  # where the latest event's text starts in text
+    started: bool = False  # an event arrived
+    announced: bool = False  # a chat stream sent its role
 
 
 class Answer:
     """The answer to one Call, built from its engine events: the whole body (stream=False) or the stream's chunks
     (stream=True). i in add(i, event) is the prompt's index in call.requests."""
 
-    def __init__(self, call: Call, tokenizer, head: dict):
+    def __init__(self, call: Call, tokenizer, head: dict, call_id: Callable[[], str] | None = None):
         self.call, self.tokenizer, self.head = call, tokenizer, head
-        self.choices = [ResponseChoice(p * call.n + k, p, parser=call.tools.parser() if call.tools else None)
+        self.choices = [ResponseChoice(p * call.n + k, p, reader_of(call, call_id))
                         for p in range(len(call.requests)) for k in range(call.n)]
         self.last: dict[tuple[int, int], Event] = {}  # (prompt, engine choice) -> its latest event: usage
 
-    def add(self, i: int, event: Event) -> list[str]:
-        """Take one event; the SSE data lines it makes when streaming."""
+    def take(self, i: int, event: Event) -> tuple[ResponseChoice, list[dict], str, list[int], list]:
+        """Record one event (of the call's i-th prompt) in its choice: (the choice, the chat deltas of its new text,
+        that text, its token ids and their Tokens; echo puts the prompt's first)."""
         self.last[i, event.index] = event
         c = self.choices[i * self.call.n + event.index]
         new_ids, new_tokens, text = list(event.token_ids), list(event.tokens or []), event.text
@@ -82,26 +139,32 @@ class Answer:
         c.started, c.text = True, c.text + text
         c.ids += new_ids
         c.tokens += new_tokens
-        deltas = []
-        if c.parser is not None:
-            deltas = merge_deltas(c.parser.feed(text) + (c.parser.finish() if event.finished else []))
+        c.offset = offset
+        deltas = c.reader.feed(text, event.finished)
         if event.finished:
-            c.finish_reason = openai_reason(event)
-            if c.parser is not None:
-                c.finish_reason = tool_calls_reason(c.finish_reason, c.parser.calls)
-        if not self.call.stream:
-            return []
-        if c.parser is not None:
-            return self.tool_chunks(c, deltas, new_tokens, event.finished)
-        chunks = []
-        if text or new_ids or event.finished:
-            reason = c.finish_reason if event.finished else None
-            chunks.append(self.chunk([self.choice_body(c, text, new_ids, new_tokens, offset, reason, True)]))
-        return chunks
+            c.finish_reason = tool_calls_reason(openai_reason(event), c.reader.calls)
+            c.ended, c.stop_string = event.finish_reason, event.stop_string
+        return c, deltas, text, new_ids, new_tokens
 
-    def tool_chunks(self, c: ResponseChoice, deltas: list[dict], tokens: list[Token], finished: bool) -> list[str]:
-        """A chat stream's chunks when tools were given: one per content run or call piece (OpenAI's delta shapes),
-        the tokens' logprobs on the first, the finish_reason on a last chunk of its own."""
+    def add(self, i: int, event: Event) -> list[str]:
+        """Take one event; the SSE data lines it makes when streaming."""
+        c, deltas, text, new_ids, new_tokens = self.take(i, event)
+        if not self.call.stream or not (text or new_ids or event.finished):
+            return []
+        chunks = []
+        if self.call.chat and not c.announced:  # the role goes out with the first token, not before the prefill
+            c.announced = True
+            chunks.append(self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]))
+        if not c.reader.plain:
+            return chunks + self.delta_chunks(c, deltas, new_tokens, event.finished)
+        reason = c.finish_reason if event.finished else None
+        return chunks + [self.chunk([self.choice_body(c, text, new_ids, new_tokens, c.offset, reason, True)])]
+
+    def delta_chunks(self, c: ResponseChoice, deltas: list[dict], tokens: list[Token], finished: bool) -> list[str]:
+        """A chat stream's chunks when tools were given or reasoning is split: one per content, reasoning or call
+        piece (OpenAI's delta shapes), the tokens' logprobs on the first, the finish_reason on a last chunk of its
+        own."""
         logprobs = chat_logprobs(tokens, self.tokenizer) if self.call.logprobs is not None and tokens else None
         if logprobs is not None and not deltas:
             deltas = [{}]
@@ -113,14 +176,16 @@ class Answer:
         return chunks
 
     def opening(self) -> list[str]:
-        """The stream's first chunks: chat's carry each choice's role."""
-        if not self.call.chat:
-            return []
-        return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]) for c in self.choices]
+        return []  # chat's role goes out with each choice's first token (add)
 
     def closing(self) -> list[str]:
         return [self.chunk([], self.usage(), final=True)] if self.call.include_usage else []
+
+    def error_event(self, message: str, status: int) -> str:
+        return f"data: {json.dumps(error_body(message, 'server_error'))}\n\n"
+
+    def done(self) -> list[str]:
+        return ["data: [DONE]\n\n"]
 
     def chunk(self, choices: list[dict], used: dict | None = None, final: bool = False) -> str:
         data = {**self.head, "choices": choices}
@@ -149,9 +214,7 @@ class Answer:
         if not self.call.chat:
             return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if not stream:
-            said = {"role": "assistant", "content": c.text} if c.parser is None else message(c.parser.content,
-                                                                                             c.parser.calls)
-            return {"index": c.index, "message": said, "logprobs": logprobs, "finish_reason": reason}
+            return {"index": c.index, "message": c.reader.message(), "logprobs": logprobs, "finish_reason": reason}
         return {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                 "finish_reason": reason}
 

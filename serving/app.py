@@ -11,14 +11,14 @@ whose client goes away is aborted (Server.release), so its KV blocks return to t
 """
 import asyncio
 import bisect
-import json
 import logging
 import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -28,12 +28,13 @@ from starlette.exceptions import HTTPException
 
 from features.constraint import Constraint, Grammar
 from features.grammar import Compiler
+from features.reasoning import tags_named
+from serving import messages, responses
 from serving.answer import Answer
 from serving.contract import Event, Request
 from serving.engine import Engine, QueueFull
 from serving.gate import Gate, GateState, QuietLoopErrors, ServeConfig, error
-from serving.protocol import (BadRequest, error_body, longest_token, parse_body, parse_detokenize, parse_json,
-                              parse_tokenize)
+from serving.protocol import BadRequest, Call, longest_token, parse_body, parse_detokenize, parse_json, parse_tokenize
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)  # seconds
@@ -139,6 +140,8 @@ class Server:
         self.max_len = (config.max_model_len or context) if engine.config.cache_window is not None else \
             min(context, engine.stats()["blocks_total"] * engine.config.block_size, config.max_model_len or context)
         self.names = (model_name, *config.aliases)
+        self.reasoning = tags_named(config.reasoning_parser, tokenizer.chat_template)
+        self.responses = responses.Store()  # for /v1/responses' previous_response_id
         self.max_chars = (self.max_len - 1) * longest_token(tokenizer)  # a longer prompt text surely does not fit
         self.open: dict[asyncio.Queue, list[int]] = {}  # the calls in flight: their engine requests
         self.compiler: Compiler | None = None  # built at the first structured-output request
@@ -148,6 +151,11 @@ class Server:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    def limits(self) -> dict:
+        """protocol.parse_request's keyword arguments for this server."""
+        return dict(max_len=self.max_len, max_chars=self.max_chars, compile_grammar=self.compile_grammar,
+                    special=self.config.special, tool_parser=self.config.tool_parser, reasoning=self.reasoning)
 
     def compile_grammar(self, constraint: Constraint) -> Grammar:
         """A request's structured-output constraint compiled against the model's vocabulary (cached by the
@@ -281,30 +289,69 @@ async def abort_on_disconnect(receive, server: Server, queue: asyncio.Queue) -> 
     server.release(queue)
 
 
-async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
-    """POST /v1/completions (chat=False) and /v1/chat/completions (chat=True)."""
-    t0 = time.perf_counter()
-    try:
-        raw = await http.body()  # at most config.max_body_bytes, or Gate answers 413
-        call = await asyncio.to_thread(parse_body, raw, chat, server.tokenizer, max_len=server.max_len,
-                                       max_chars=server.max_chars, compile_grammar=server.compile_grammar,
-                                       special=server.config.special, tool_parser=server.config.tool_parser)
-        if call.ignored:
-            log.warning(f"{http.url.path}: ignoring unknown fields {', '.join(f[:40] for f in call.ignored[:10])}")
-        if server.gate.phase in ("closing", "failed"):
-            return error(503, server.gate.why, "server_error")
-        ids, queue = server.submit(call.requests)
-    except BadRequest as e:
-        return error(400, str(e), param=e.param)
-    except QueueFull as e:
-        return error(429, f"the server is busy: {e}; retry later", "rate_limit_error",
-                     headers={"Retry-After": str(RETRY_AFTER_S)})
-    except ValueError as e:  # the engine's checks: prompt longer than the context, more KV blocks than the pool
-        return error(400, str(e))
+@dataclass(frozen=True)
+class Api:
+    """What each generation endpoint does its own way: parse a raw body into a Call (on a worker thread), shape the
+    answer (an answer.Answer, or one with its methods: opening, add, closing, body, error_event, done), and write an
+    error: (status, message, kind, param, headers) -> a response."""
+    parse: Callable[[Server, bytes], Call]
+    answer: Callable[[Server, Call], Answer]
+    error: Callable[..., Response] = error
+
+
+def openai_answer(server: Server, call: Call) -> Answer:
+    chat = call.chat
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and call.stream else ""),
             "created": int(time.time()), "model": server.model_name}
-    answer, choices = Answer(call, server.tokenizer, head), len(call.requests) * call.n
+    return Answer(call, server.tokenizer, head)
+
+
+def anthropic_error(status: int, message: str, kind: str | None = None, param: str | None = None,
+                    headers: dict[str, str] | None = None) -> Response:
+    return JSONResponse(messages.error_body(status, message), status, headers)
+
+
+COMPLETIONS = Api(lambda server, raw: parse_body(raw, False, server.tokenizer, **server.limits()), openai_answer)
+CHAT = Api(lambda server, raw: parse_body(raw, True, server.tokenizer, **server.limits()), openai_answer)
+MESSAGES = Api(lambda server, raw: messages.parse_messages(raw, server.tokenizer, **server.limits()),
+               lambda server, call: messages.MessagesAnswer(call, server.tokenizer, server.model_name),
+               anthropic_error)
+RESPONSES = Api(lambda server, raw: responses.parse_responses(raw, server.tokenizer, server.responses,
+                                                              **server.limits()),
+                lambda server, call: responses.ResponsesAnswer(call, server.tokenizer, server.model_name,
+                                                               server.responses))
+
+
+async def admit_call(server: Server, http: HTTPRequest, api: Api) -> tuple[Call, list[int], asyncio.Queue] | Response:
+    """Read, parse and submit a generation request; its call, engine request ids and event queue, or the error
+    response that refuses it."""
+    try:
+        raw = await http.body()  # at most config.max_body_bytes, or Gate answers 413
+        call = await asyncio.to_thread(api.parse, server, raw)
+        if call.ignored:
+            log.warning(f"{http.url.path}: ignoring unknown fields {', '.join(f[:40] for f in call.ignored[:10])}")
+        if server.gate.phase in ("closing", "failed"):
+            return api.error(503, server.gate.why, "server_error")
+        ids, queue = server.submit(call.requests)
+    except BadRequest as e:
+        return api.error(400, str(e), param=e.param)
+    except QueueFull as e:
+        return api.error(429, f"the server is busy: {e}; retry later", "rate_limit_error",
+                         headers={"Retry-After": str(RETRY_AFTER_S)})
+    except ValueError as e:  # the engine's checks: prompt longer than the context, more KV blocks than the pool
+        return api.error(400, str(e))
+    return call, ids, queue
+
+
+async def generation(server: Server, http: HTTPRequest, api: Api) -> Response:
+    """A generation endpoint: POST /v1/completions, /v1/chat/completions, /v1/messages, /v1/responses."""
+    t0 = time.perf_counter()
+    admitted = await admit_call(server, http, api)
+    if isinstance(admitted, Response):
+        return admitted
+    call, ids, queue = admitted
+    answer, choices = api.answer(server, call), len(call.requests) * call.n
 
     if not call.stream:
         watcher = asyncio.create_task(abort_on_disconnect(http.receive, server, queue))
@@ -313,7 +360,7 @@ async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
                 async for i, event in events:
                     answer.add(i, event)
         except Failed as e:
-            return error(e.status, str(e), "server_error")
+            return api.error(e.status, str(e), "server_error")
         finally:
             watcher.cancel()
         return JSONResponse(answer.body())
@@ -329,8 +376,9 @@ async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
             for chunk in answer.closing():
                 yield chunk
         except Failed as e:  # the status (200) is sent already: report it in the stream
-            yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
-        yield "data: [DONE]\n\n"
+            yield answer.error_event(str(e), e.status)
+        for chunk in answer.done():
+            yield chunk
 
     async def release() -> None:  # for a client gone before the stream began: sse() never ran, nor its finally
         server.release(queue)
@@ -375,11 +423,40 @@ def add_generation_routes(app: FastAPI, server: Server) -> None:
     """POST /v1/completions and /v1/chat/completions."""
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest) -> Response:
-        return await generation(server, http, chat=False)
+        return await generation(server, http, COMPLETIONS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest) -> Response:
-        return await generation(server, http, chat=True)
+        return await generation(server, http, CHAT)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(http: HTTPRequest) -> Response:
+        return await generation(server, http, MESSAGES)
+
+    @app.post("/v1/responses")
+    async def create_response(http: HTTPRequest) -> Response:
+        return await generation(server, http, RESPONSES)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        stored = server.responses.get(response_id)
+        if stored is None:
+            return error(404, f"no stored response {response_id[:60]!r}", param="response_id")
+        return JSONResponse(stored[0])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        if not server.responses.delete(response_id):
+            return error(404, f"no stored response {response_id[:60]!r}", param="response_id")
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(http: HTTPRequest) -> Response:
+        try:
+            n = await asyncio.to_thread(messages.count_tokens, await http.body(), server.tokenizer, **server.limits())
+        except BadRequest as e:
+            return anthropic_error(400, str(e))
+        return JSONResponse({"input_tokens": n})
 
 
 def add_model_routes(app: FastAPI, server: Server) -> None:

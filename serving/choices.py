@@ -216,7 +216,7 @@ class Outputs:
         return Event(group.id, text, [t.id for t in tokens], reason is not None, reason, choice.n_prompt,
                      len(choice.tokens) - choice.n_prompt, choice.cached, error, choice.index,
                      None if group.request.logprobs is None else list(tokens),
-                     group.prompt_logprobs if first else None)
+                     group.prompt_logprobs if first else None, choice.text.matched if reason == "stop" else None)
 
     def _send(self, group: Group, choice: Choice | None, event: Event) -> None:
         """Queue event for the request's on_event, or hold it (Group.send)."""

@@ -27,6 +27,7 @@ class Event:
     # with Request.prompt_logprobs, on each choice's first event: per prompt position i, Token(prompt[i], its
     # logprob under the model's unfiltered log_softmax at i - 1, the top N there); position 0 is None
     prompt_logprobs: list[Token | None] | None = None
+    stop_string: str | None = None  # with finish_reason "stop": the stop string that ended the choice
 
 
 @dataclass

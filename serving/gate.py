@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from serving.messages import error_body as anthropic_error_body
 from serving.protocol import error_body
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: its format, and --quiet silences it
@@ -59,6 +60,7 @@ class ServeConfig:
     special: bool = True  # special tokens' names in a /v1/completions prompt are those tokens (chat content: never)
     max_model_len: int | None = None  # positions per sequence at most (prompt and completion), below the model's
     tool_parser: str | None = None  # the tool call syntax when not the chat template's (toolcalls.FORMATS)
+    reasoning_parser: str | None = None  # how reasoning is split out of chat answers (reasoning.tags_named)
     aliases: tuple[str, ...] = ()  # names served besides the model's (serve.py --served-model-name's others)
     shutdown_timeout_s: float = 20.0  # grace for running requests on SIGTERM; under Kubernetes' 30 s to SIGKILL
 
@@ -92,7 +94,10 @@ class Refused(Exception):
         super().__init__(message)
         self.status, self.kind, self.code, self.headers = status, kind, code, headers
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
+        """The error in OpenAI's shape, or Anthropic's for its Messages routes."""
+        if path.startswith("/v1/messages"):
+            return JSONResponse(anthropic_error_body(self.status, str(self)), self.status, self.headers)
         return error(self.status, str(self), self.kind, None, self.code, self.headers)
 
 
@@ -124,9 +129,11 @@ def admit(scope: dict, config: ServeConfig, state: GateState) -> None:
                       "program, not from a web page")
     path = scope["path"]
     if config.api_key is not None and path not in OPEN_ROUTES and not key_matches(headers.get("authorization", ""),
-                                                                                   config.api_key):
-        raise Refused(401, "a missing or incorrect API key; send it as the header 'Authorization: Bearer KEY'",
-                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                                                                                   config.api_key) \
+            and not hmac.compare_digest(headers.get("x-api-key", "").encode("latin-1"), config.api_key.encode()):
+        raise Refused(401, "a missing or incorrect API key; send it as the header 'Authorization: Bearer KEY' "
+                      "(or Anthropic's 'x-api-key: KEY')", code="invalid_api_key",
+                      headers={"WWW-Authenticate": "Bearer"})
     if state.phase != "serving" and path not in OPEN_ROUTES:  # draining, closing, or the engine failed
         raise Refused(503, state.why or "the server is shutting down", "server_error")
     media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
@@ -197,7 +204,7 @@ class Gate:
                 state.inflight -= 1
         except Refused as e:
             if not started:
-                await e.response()(scope, receive, counted)
+                await e.response(path)(scope, receive, counted)
         except ClientDisconnect:  # it left while sending its body: nobody to answer
             state.count(endpoint, 499)  # nginx's "client closed request"
             log.info(f"{scope['method']} {path}: the client went away while sending its body")

@@ -4,9 +4,10 @@ fault. Pure functions, testable without HTTP, torch or the model (answer.py shap
 HTTP)."""
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from features.constraint import Constraint, Grammar
+from features.reasoning import Tags, opens_thinking
 from features.tools import ToolRequest, field_of, tool_request
 from params import SamplingParams, check_logit_bias, fit_new_tokens
 from serving.contract import Request
@@ -25,7 +26,9 @@ COMMON_FIELDS = {"model", "user", "max_tokens", "stop", "seed", "stream", "strea
                  "logit_bias", "min_tokens", "ignore_eos", *SAMPLING, *GUIDED}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                               "parallel_tool_calls"}
+                               "parallel_tool_calls", "chat_template_kwargs"}
+# The variables a chat template is rendered with by the server: chat_template_kwargs may not replace them
+TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
 # Fields whose meaning is not served: refused unless absent, null or the value that asks nothing. (Ignoring them
 # would answer something else than what was asked.)
 ONLY = {"suffix": ""}
@@ -144,10 +147,12 @@ def is_token_list(value) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
-def chat_prompt(body: dict, tokenizer, max_chars: int, tools: ToolRequest | None = None) -> list[int]:
-    """The prompt of /v1/chat/completions: the messages rendered with the model's chat template (which has BOS),
-    their contents tokenized as text (a special token's name in a message is no special token, as in OpenAI's API).
-    tools: the request's tools, rendered into the prompt (tools.py), and its tool call history checked."""
+def chat_prompt(body: dict, tokenizer, max_chars: int,
+                tools: ToolRequest | None = None) -> tuple[list[int], str]:
+    """The prompt of /v1/chat/completions and its text: the messages rendered with the model's chat template (which
+    has BOS) and the request's chat_template_kwargs, their contents tokenized as text (a special token's name in a
+    message is no special token, as in OpenAI's API). tools: the request's tools, rendered into the prompt
+    (tools.py), and its tool call history checked."""
     import jinja2
 
     messages = get(body, "messages", "array")
@@ -171,11 +176,23 @@ def chat_prompt(body: dict, tokenizer, max_chars: int, tools: ToolRequest | None
         turns, template_tools = (tools or tool_request(None, None, None, tokenizer)).render(turns)
     except ValueError as e:
         raise BadRequest(str(e), field_of(e) or "messages") from None
+    variables = template_kwargs(body)
     try:
-        check_chars(tokenizer.apply_chat_template(turns, tools=template_tools), max_chars, "messages")
-        return tokenizer.encode_chat(turns, tools=template_tools)
+        text = tokenizer.apply_chat_template(turns, tools=template_tools, variables=variables)
+        check_chars(text, max_chars, "messages")
+        return tokenizer.encode_chat(turns, tools=template_tools, variables=variables), text
     except jinja2.TemplateError as e:
         raise BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
+
+
+def template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs: more variables for the chat template (Qwen3's enable_thinking), as vLLM takes them."""
+    variables = get(body, "chat_template_kwargs", "object", {})
+    taken = [k for k in variables if k in TEMPLATE_VARIABLES]
+    if taken:
+        raise BadRequest(f"chat_template_kwargs may not set {taken[0]}: the server renders it from the request",
+                         "chat_template_kwargs")
+    return variables
 
 
 def tools_of(body: dict, tokenizer, parser: str | None) -> ToolRequest | None:
@@ -247,17 +264,21 @@ class Call:
     echo: bool = False
     ignored: tuple[str, ...] = ()  # unknown fields, ignored (the server logs them)
     tools: ToolRequest | None = None  # chat's tools: calls are parsed out of each choice's text
+    reasoning: Tags | None = None  # chat: the reasoning block's tags, split out of each choice's text
+    thinking: bool = False  # the prompt leaves the model inside its reasoning block (DeepSeek-R1's template)
+    context: dict = field(default_factory=dict)  # what an API's answer needs of its request (Responses: its
+    # settings to echo, the conversation to store)
 
 
 def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
                   compile_grammar: Callable[[Constraint], Grammar] | None = None, special: bool = True,
-                  tool_parser: str | None = None) -> Call:
+                  tool_parser: str | None = None, reasoning: Tags | None = None) -> Call:
     """A request body -> Call; BadRequest names what is wrong. max_len: the most positions a sequence may take,
     prompt and completion (chat's max_tokens defaults to what the prompt leaves of it); max_chars: the longest
     prompt text worth tokenizing (see check_chars); compile_grammar: a structured-output constraint -> its
     compiled grammar (ValueError for a bad one); special: whether special tokens' names in a completion prompt
     are those tokens (see completion_prompts); tool_parser: the tool call syntax (toolcalls.FORMATS) when not the
-    chat template's."""
+    chat template's; reasoning: the tags of the model's reasoning block, to split it out of chat answers."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     for name in (*NOT_SERVED, *([] if chat else ["tools", "tool_choice"])):
@@ -271,12 +292,15 @@ def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
     get(body, "model", "string")  # any served name is served by the one model
     get(body, "user", "string")
     tools = tools_of(body, tokenizer, tool_parser) if chat else None
+    rendered = ""
     if chat:
-        prompts, texts = [chat_prompt(body, tokenizer, max_chars, tools)], [""]
+        prompt, rendered = chat_prompt(body, tokenizer, max_chars, tools)
+        prompts, texts = [prompt], [""]
     else:
         prompts, texts = completion_prompts(body, tokenizer, max_chars, special)
     call = Call(chat, [], texts, ignored=tuple(sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))),
-                tools=tools)
+                tools=tools, reasoning=reasoning if chat else None)
+    call.thinking = call.reasoning is not None and opens_thinking(rendered, call.reasoning)
     call.echo = not chat and get(body, "echo", "boolean", False)
     call.logprobs = logprobs_of(body, chat)
     call.stream, call.include_usage, call.continuous_usage = stream_of(body)
@@ -332,7 +356,7 @@ def parse_tokenize(body, tokenizer, max_chars: int) -> list[int]:
     if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
         raise BadRequest("the request must be an object with a prompt (a string) or messages (an array)")
     if "messages" in body:
-        return chat_prompt(body, tokenizer, max_chars)
+        return chat_prompt(body, tokenizer, max_chars)[0]
     prompt = get(body, "prompt", "string")
     if prompt is None:
         raise BadRequest("prompt must be a string", "prompt")

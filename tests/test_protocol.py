@@ -144,7 +144,7 @@ def test_chat_stream_chunks_carry_logprobs_and_usage(smollm2_tokenizer):
                   "top_logprobs": 1, "stream_options": {"include_usage": True}}, tok, chat=True)
     answer = Answer(call, tok, {**HEAD, "object": "chat.completion.chunk"})
     hello = tok.encode("Hello", bos=False)[0]
-    chunks = answer.opening() + answer.add(0, event("Hello", [hello], tokens=[Token(hello, -0.1, [(hello, -0.1)])]))
+    chunks = answer.add(0, event("Hello", [hello], tokens=[Token(hello, -0.1, [(hello, -0.1)])]))
     chunks += answer.add(0, event("", [], True)) + answer.closing()
     data = [json.loads(c.removeprefix("data: ")) for c in chunks]
     assert data[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}

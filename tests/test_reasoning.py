@@ -1,0 +1,108 @@
+"""Reasoning split out of answers (features/reasoning.py): <think> blocks read as they stream, however the text is
+cut, into chat's reasoning_content; chat_template_kwargs reach the template; the chat stream's role goes out with
+the first token, not before the prefill."""
+import copy
+import json
+
+import pytest
+
+from features.reasoning import ReasoningParser, Tags, detect_tags, opens_thinking, tags_named
+from serving.answer import Answer
+from serving.contract import Event
+from serving.protocol import BadRequest, parse_request
+
+LIMITS = {"max_len": 512, "max_chars": 10 ** 6}
+HEAD = {"id": "x", "object": "chat.completion", "created": 0, "model": "m"}
+OUTPUT = "<think>\nThe user greets me.\n</think>\n\nHello! How can I help?"
+
+
+def split(text: str, cuts: list[int], thinking: bool = False) -> tuple[str, str]:
+    """(reasoning, content) of text fed in the pieces the cuts make."""
+    parser = ReasoningParser(Tags(), thinking)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    got = {"reasoning": "", "content": ""}
+    for k, piece in enumerate(pieces):
+        for kind, part in parser.feed(piece, final=k == len(pieces) - 1):
+            got[kind] += part
+    assert (got["reasoning"], got["content"]) == (parser.reasoning, parser.content)
+    return got["reasoning"], got["content"]
+
+
+def test_a_think_block_is_split_off_however_the_stream_cuts_it():
+    whole = split(OUTPUT, [])
+    assert whole == ("\nThe user greets me.\n", "Hello! How can I help?")
+    for cut in range(1, len(OUTPUT)):  # every place a piece can end, tags cut in two included
+        assert split(OUTPUT, [cut]) == whole, cut
+    assert split(OUTPUT, list(range(1, len(OUTPUT)))) == whole  # one character at a time
+
+
+def test_text_without_a_leading_block_is_all_content():
+    assert split("Hello <think>not reasoning</think> there", [3, 9]) == ("", "Hello <think>not reasoning</think> there")
+    assert split("  <thin", [4]) == ("", "  <thin")  # looked like a tag, the output ended: its text, as written
+    assert split("", []) == ("", "")
+
+
+def test_a_prompt_that_opens_the_block_leaves_the_model_inside_it():
+    assert opens_thinking("<|im_start|>assistant\n<think>\n", Tags())  # DeepSeek-R1's template
+    assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n", Tags())  # Qwen3, thinking off
+    assert split("I should greet.</think>Hi", [5, 17], thinking=True) == ("I should greet.", "Hi")
+    # cut off inside the block (max_tokens): all of it is reasoning, none content
+    assert split("<think>still going", [9]) == ("still going", "")
+
+
+def test_the_parser_is_picked_by_name_or_from_the_template():
+    assert detect_tags("{% if '</think>' in content %}...{% endif %}") == Tags()
+    assert detect_tags("{{ messages }}") is None and detect_tags(None) is None
+    assert tags_named("none", "</think>") is None and tags_named("think", None) == Tags()
+    with pytest.raises(ValueError, match="unknown reasoning parser 'r1'"):
+        tags_named("r1", None)
+
+
+def reasoning_tokenizer(tokenizer, template: str):
+    tok = copy.copy(tokenizer)
+    tok.chat_template = template
+    return tok
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+                     "<think>\n\n</think>\n\n{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(smollm2_tokenizer):
+    tok = reasoning_tokenizer(smollm2_tokenizer, THINKING_TEMPLATE)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    on = parse_request(body, True, tok, **LIMITS)
+    off = parse_request({**body, "chat_template_kwargs": {"enable_thinking": False}}, True, tok, **LIMITS)
+    assert tok.decode(off.requests[0].prompt).endswith("<think>\n\n</think>\n\n")
+    assert off.requests[0].prompt[:len(on.requests[0].prompt)] == on.requests[0].prompt
+    with pytest.raises(BadRequest, match="may not set messages") as e:
+        parse_request({**body, "chat_template_kwargs": {"messages": []}}, True, tok, **LIMITS)
+    assert e.value.param == "chat_template_kwargs"
+
+
+def events(pieces: list[str]) -> list[Event]:
+    return [Event(0, p, [k + 1], k == len(pieces) - 1, "eos" if k == len(pieces) - 1 else None, 3, k + 1, 0)
+            for k, p in enumerate(pieces)]
+
+
+def test_chat_answers_carry_reasoning_content_apart(smollm2_tokenizer):
+    tok = reasoning_tokenizer(smollm2_tokenizer, THINKING_TEMPLATE + "{# </think> #}")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
+    call = parse_request(body, True, tok, **LIMITS, reasoning=tags_named(None, tok.chat_template))
+    answer = Answer(call, tok, HEAD)
+    pieces = ["<thi", "nk>Greet", "ing.</th", "ink>\n\nHel", "lo!"]
+    for e in events(pieces):
+        answer.add(0, e)
+    message = answer.body()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Hello!", "reasoning_content": "Greeting."}
+
+    stream = parse_request({**body, "stream": True}, True, tok, **LIMITS, reasoning=call.reasoning)
+    answer = Answer(stream, tok, HEAD)
+    assert answer.opening() == []  # nothing before the first token: clients time TTFT from the first chunk
+    chunks = [json.loads(c.removeprefix("data: ")) for e in events(pieces) for c in answer.add(0, e)]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Greeting."
+    assert "".join(d.get("content", "") for d in deltas) == "Hello!"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"

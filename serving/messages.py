@@ -6,7 +6,7 @@ import secrets
 
 from serving.answer import Answer
 from serving.contract import Event
-from serving.protocol import BadRequest, Call, get, parse_json, parse_request
+from serving.protocol import BadRequest, Call, get, parse_capped, parse_json, parse_request
 
 # The fields read; others (metadata, service_tier, cache_control on blocks, ...) are ignored with a log line.
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
@@ -51,9 +51,12 @@ def chat_messages(body: dict) -> list[dict]:
         raise BadRequest("messages must be a non-empty array", "messages")
     for i, m in enumerate(messages):
         role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
-        if role not in ("user", "assistant"):
-            raise BadRequest(f"messages[{i}].role must be user or assistant, got {json.dumps(role)[:50]}",
+        if role not in ("user", "assistant", "system"):  # system: the mid-conversation system messages beta
+            raise BadRequest(f"messages[{i}].role must be user, assistant or system, got {json.dumps(role)[:50]}",
                              "messages")
+        if role == "system":
+            out.append({"role": "system", "content": text_of(content, f"messages[{i}].content")})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -96,7 +99,7 @@ def chat_tools(body: dict) -> dict:
     """tools and tool_choice in chat's shape: {name, description, input_schema} -> a function tool."""
     out = {}
     tools = get(body, "tools", "array")
-    if tools is not None:
+    if tools:  # [] is no tools, as Anthropic takes it (Claude Code --tools "")
         if not all(isinstance(t, dict) for t in tools):
             raise BadRequest("tools must be an array of tool objects", "tools")
         if any(t.get("type") not in (None, "custom") for t in tools):
@@ -150,10 +153,7 @@ def chat_body(body) -> dict:
 def parse_messages(raw: bytes, tokenizer, **limits) -> Call:
     """POST /v1/messages's raw body -> the Call (limits: protocol.parse_request's keyword arguments)."""
     body = parse_json(raw)
-    try:
-        call = parse_request(chat_body(body), True, tokenizer, **limits)
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
+    call = parse_capped(chat_body(body), "max_tokens", tokenizer, **limits)
     call.ignored = tuple(sorted(set(body) - FIELDS))
     return call
 

@@ -326,6 +326,22 @@ def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
     return call
 
 
+def parse_capped(chat: dict, name: str, tokenizer, **limits) -> Call:
+    """parse_request of a chat body whose max_tokens is a cap, not a demand (Anthropic's max_tokens, Responses'
+    max_output_tokens; `name` is the field): cut to what the prompt leaves of the context rather than refused, as
+    agents ask for more than a small local model holds (Claude Code: 64,000)."""
+    cap = get(chat, "max_tokens", "integer")
+    if cap is not None and cap < 1:
+        raise BadRequest(f"{name} must be >= 1, got {cap}", name)
+    try:
+        call = parse_request({k: v for k, v in chat.items() if k != "max_tokens"}, True, tokenizer, **limits)
+    except RecursionError:  # json.dumps quoting a value in a message
+        raise BadRequest("the request body is nested too deeply") from None
+    for request in call.requests:
+        request.max_new_tokens = min(request.max_new_tokens, cap or request.max_new_tokens)
+    return call
+
+
 def parse_json(raw: bytes):
     """A request body's JSON; BadRequest for what is not JSON, or is nested too deeply, or holds no text."""
     try:

@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 from serving.answer import Answer
 from serving.contract import Event
-from serving.protocol import BadRequest, Call, get, parse_json, parse_request
+from serving.protocol import BadRequest, Call, get, parse_capped, parse_json
 
 # The fields read; others (include, truncation, user, prompt_cache_key, ...) are ignored with a log line.
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "temperature",
@@ -161,10 +161,7 @@ def parse_responses(raw: bytes, tokenizer, store: Store, **limits) -> Call:
     request's own settings travel in call.context, for the answer to echo and store."""
     body = parse_json(raw)
     chat, conversation = chat_body(body, store)
-    try:
-        call = parse_request(chat, True, tokenizer, **limits)
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
+    call = parse_capped(chat, "max_output_tokens", tokenizer, **limits)
     call.ignored = tuple(sorted(set(body) - FIELDS))
     call.context = {"body": body, "conversation": conversation, "store": get(body, "store", "boolean", True)}
     return call

@@ -51,7 +51,7 @@ def test_blocks_tools_and_choices_become_chats():
 @pytest.mark.parametrize("change, param, words", [
     ({"max_tokens": None}, "max_tokens", "max_tokens: Field required"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages", '"image" block'),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages", "role must be user or assistant"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "role must be user, assistant or system"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools", "server tool"),
     ({"tool_choice": {"type": "some"}}, "tool_choice", "tool_choice.type must be"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}, "messages",
@@ -184,3 +184,14 @@ def test_the_key_goes_in_x_api_key_and_refusals_are_anthropics(smollm2):
         assert e.value.body["error"]["type"] == "authentication_error"
 
     serve(smollm2, fn, api_key="k")
+
+
+def test_max_tokens_is_a_cap_cut_to_the_room_left(smollm2_tokenizer):
+    """Claude Code asks for max_tokens 64,000 whatever the model: the rest of the context is what it gets."""
+    body = {"model": "m", "max_tokens": 64000, "messages": [{"role": "user", "content": "hi"}]}
+    request = parse_messages(json.dumps(body).encode(), smollm2_tokenizer, **LIMITS).requests[0]
+    assert request.max_new_tokens == LIMITS["max_len"] - len(request.prompt)
+    small = parse_messages(json.dumps({**body, "max_tokens": 5}).encode(), smollm2_tokenizer, **LIMITS)
+    assert small.requests[0].max_new_tokens == 5
+    with pytest.raises(BadRequest, match="max_tokens must be >= 1"):
+        parse_messages(json.dumps({**body, "max_tokens": 0}).encode(), smollm2_tokenizer, **LIMITS)

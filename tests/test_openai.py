@@ -446,3 +446,23 @@ def test_max_model_len_caps_a_request_and_served_names_come_from_the_flags(refer
     assert fits.usage.completion_tokens == 8
     assert refused.status_code == 400 and "max_tokens" in refused.message
     assert info["max_model_len"] == 64
+
+
+def test_a_chat_streams_first_chunk_goes_out_with_the_first_token(reference):
+    """The role chunk waits for the prefill: a ~1,500-token prompt's first chunk arrives once the engine has
+    sampled a token (the server's TTFT histogram has counted it), so every client measures the same TTFT."""
+    model, tok = reference
+    long = " ".join(["The quick brown fox jumps over the lazy dog."] * 150)
+
+    async def fn(c, h):
+        metrics = h._transport.app.state.server.metrics
+        stream = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": long}],
+                                                 max_tokens=2, temperature=0, stream=True)
+        seen = []
+        async for chunk in stream:
+            seen.append((sum(metrics.ttft.counts), chunk.choices[0].delta.role if chunk.choices else None))
+        return seen
+
+    assert len(tok.encode(long)) > 1400
+    seen = call(reference, fn)
+    assert seen[0] == (1, "assistant")  # the first token was already sampled when the role went out

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from decode import Session
+from features.reasoning import ReasoningParser, Reader, Tags
 from features.tools import CHOICES, ToolRequest, message as tool_message, tool_calls_reason, tool_request
 from params import Token
 from step import COMPILE_PAYS_AFTER, Step
@@ -91,28 +92,32 @@ class Output:
     quiet: bool = False
     tools: ToolRequest | None = None
     setup: Callable[[], str] = str
+    reasoning: Tags | None = None  # the model's reasoning tags: its thinking goes to stderr, apart from the answer
+    show_thinking: bool = True  # False: the thinking is not printed at all
 
     def reply(self, tokens: Iterator[Token], prompt_tokens: int,
               prefilled: int | None = None) -> tuple[Completion, str, list[dict]]:
         """Run a reply to its end, printing it (as_json: with tools, its content, tool_calls and finish_reason
-        "tool_calls"). Returns (the completion, its content, its calls)."""
-        parser = None if self.tools is None or self.as_json else self.tools.parser()
+        "tool_calls"; with reasoning tags, its reasoning). Returns (the completion, its content, its calls)."""
+        reader = Reader(ReasoningParser(self.reasoning) if self.reasoning is not None else None,
+                        self.tools.parser() if self.tools is not None else None)
 
-        def on_text(piece: str) -> None:
-            text = piece if parser is None else "".join(d.get("content", "") for d in parser.feed(piece))
-            print(text, end="", flush=True)
+        def show(deltas: list[dict]) -> None:
+            for delta in deltas:
+                if "reasoning_content" in delta and self.show_thinking:
+                    print(delta["reasoning_content"], end="", file=sys.stderr, flush=True)
+                print(delta.get("content", ""), end="", flush=True)
 
         c = complete(tokens, self.tokenizer, prompt_tokens, prefilled, stop=self.stop,
-                     on_text=None if self.as_json else on_text)
-        if parser is not None:
-            print("".join(d.get("content", "") for d in parser.finish()), end="")
-            content, calls = parser.content, parser.calls
-        elif self.tools is not None:
-            content, calls = self.tools.parse(c.text)
-        else:
-            content, calls = c.text, []
+                     on_text=None if self.as_json else lambda piece: show(reader.feed(piece)))
+        deltas = reader.feed(c.text if self.as_json else "", final=True)
+        if not self.as_json:
+            show(deltas)
+        content, calls = reader.content, reader.calls
         if self.as_json:
             out = completion_json(c, self.tokenizer)
+            if self.reasoning is not None:
+                out.update(content=content, reasoning=reader.reasoning)
             if self.tools is not None:
                 out.update(content=content, tool_calls=calls, finish_reason=tool_calls_reason(c.finish_reason, calls))
             print(json.dumps(out, ensure_ascii=False), flush=True)

@@ -1,8 +1,12 @@
 """Reasoning split out of a model's output: Qwen3, SmolLM3 and DeepSeek-R1 write their thinking between <think> and
 </think> before the answer. ReasoningParser reads the output as it streams into reasoning and content, as every
-peer server does (chat's `reasoning_content`, Messages' thinking blocks, Responses' reasoning items)."""
+peer server does (chat's `reasoning_content`, Messages' thinking blocks, Responses' reasoning items); Reader then
+reads tool calls out of the content."""
 import re
 from dataclasses import dataclass
+
+from features.toolcalls import CallParser, merge_deltas
+from features.tools import message
 
 PARSERS = ("think",)  # --reasoning-parser names: the <think>...</think> convention (Qwen3, DeepSeek-R1, SmolLM3)
 
@@ -99,3 +103,47 @@ def held_back(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+class Reader:
+    """One choice's text, as it comes, -> chat deltas ({"reasoning_content"}, {"content"}, {"tool_calls"}): the
+    reasoning block split off first (ReasoningParser), then tool calls read out of the content (toolcalls.py).
+    Without either, the text is the content. Every API's answer, and generate.py's chat, is shaped from these."""
+
+    def __init__(self, thinking: ReasoningParser | None = None, calls: CallParser | None = None):
+        self.thinking, self.parser = thinking, calls
+        self.content = ""
+        self.reasoning = ""
+
+    @property
+    def plain(self) -> bool:
+        return self.thinking is None and self.parser is None
+
+    @property
+    def calls(self) -> list[dict]:
+        return self.parser.calls if self.parser is not None else []
+
+    def feed(self, text: str, final: bool = False) -> list[dict]:
+        """The deltas of the next piece of text (final: the choice ended; whatever was held back comes out)."""
+        pieces = self.thinking.feed(text, final) if self.thinking is not None else [("content", text)]
+        deltas = []
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                deltas.append({"reasoning_content": piece})
+            elif self.parser is not None:
+                deltas += self.parser.feed(piece)
+            elif piece:
+                deltas.append({"content": piece})
+        if final and self.parser is not None:
+            deltas += self.parser.finish()
+        deltas = merge_deltas(deltas)
+        for delta in deltas:
+            self.content += delta.get("content", "")
+            self.reasoning += delta.get("reasoning_content", "")
+        return deltas
+
+    def message(self) -> dict:
+        """The assistant message of a chat answer: content, tool calls and reasoning (vLLM's reasoning_content)."""
+        said = message(self.content, self.calls) if self.parser is not None else \
+            {"role": "assistant", "content": self.content}
+        return {**said, "reasoning_content": self.reasoning} if self.thinking is not None else said

@@ -5,9 +5,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from features.reasoning import ReasoningParser
-from features.toolcalls import CallParser, merge_deltas
-from features.tools import message, tool_calls_reason
+from features.reasoning import ReasoningParser, Reader
+from features.tools import tool_calls_reason
 from params import Token
 from serving.contract import Event
 from serving.protocol import Call, error_body
@@ -44,50 +43,6 @@ def completion_logprobs(ids: list[int], tokens: list[Token | None], tokenizer, o
             for t, text in zip(tokens, texts)]
     return {"tokens": texts, "token_logprobs": [None if t is None else t.logprob for t in tokens],
             "top_logprobs": tops, "text_offset": offsets}
-
-
-class Reader:
-    """One choice's text, as it comes, -> chat deltas ({"reasoning_content"}, {"content"}, {"tool_calls"}): the
-    reasoning block split off first (features/reasoning.py), then tool calls read out of the content
-    (features/toolcalls.py). Without either, the text is the content. Every API's answer is shaped from these."""
-
-    def __init__(self, thinking: ReasoningParser | None = None, calls: CallParser | None = None):
-        self.thinking, self.parser = thinking, calls
-        self.content = ""
-        self.reasoning = ""
-
-    @property
-    def plain(self) -> bool:
-        return self.thinking is None and self.parser is None
-
-    @property
-    def calls(self) -> list[dict]:
-        return self.parser.calls if self.parser is not None else []
-
-    def feed(self, text: str, final: bool = False) -> list[dict]:
-        """The deltas of the next piece of text (final: the choice ended; whatever was held back comes out)."""
-        pieces = self.thinking.feed(text, final) if self.thinking is not None else [("content", text)]
-        deltas = []
-        for kind, piece in pieces:
-            if kind == "reasoning":
-                deltas.append({"reasoning_content": piece})
-            elif self.parser is not None:
-                deltas += self.parser.feed(piece)
-            elif piece:
-                deltas.append({"content": piece})
-        if final and self.parser is not None:
-            deltas += self.parser.finish()
-        deltas = merge_deltas(deltas)
-        for delta in deltas:
-            self.content += delta.get("content", "")
-            self.reasoning += delta.get("reasoning_content", "")
-        return deltas
-
-    def message(self) -> dict:
-        """The assistant message of a chat answer: content, tool calls and reasoning (vLLM's reasoning_content)."""
-        said = message(self.content, self.calls) if self.parser is not None else \
-            {"role": "assistant", "content": self.content}
-        return {**said, "reasoning_content": self.reasoning} if self.thinking is not None else said
 
 
 def reader_of(call: Call, call_id: Callable[[], str] | None = None) -> Reader:

@@ -55,13 +55,13 @@ class Quantization:
         return cls(mode, quantize_head, quantize is None)
 
 
-def resolve_model_path(model: str) -> str:
-    """A local folder or .gguf file as is; anything shaped like `org/name` that is not on disk
-    is fetched from the Hugging Face hub (config, safetensors, tokenizer files only)."""
+def resolve_model_path(model: str, hub: bool = False) -> str:
+    """A local folder or .gguf file as is; anything shaped like `org/name` that is not on disk (or anything, with
+    `hub`: --hf-repo) is fetched from the Hugging Face hub (config, safetensors, tokenizer files only)."""
     path = os.path.expanduser(model)
-    if os.path.exists(path):
+    if os.path.exists(path) and not hub:
         return path
-    if not HUB_ID.match(model) or model.endswith((".gguf", ".safetensors")):
+    if not HUB_ID.match(model) or (model.endswith((".gguf", ".safetensors")) and not hub):
         raise FileNotFoundError(f"model path {model!r} does not exist")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
@@ -70,9 +70,9 @@ def resolve_model_path(model: str) -> str:
         return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.jinja"])
     except (HfHubHTTPError, OSError, ValueError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FileNotFoundError(
-            f"model {model!r} is not a local path and could not be fetched from the Hugging Face hub "
-            f"({type(e).__name__}: {first_line})") from None
+        where = "could not be fetched" if hub else "is not a local path and could not be fetched"
+        raise FileNotFoundError(f"model {model!r} {where} from the Hugging Face hub ({type(e).__name__}: "
+                                f"{first_line})") from None
 
 
 def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progress: bool = False,

@@ -149,6 +149,10 @@ class Server:
         self.thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
+    def answering(self, asked: str | None) -> str:
+        """The model name an answer gives: the one the request asked for when it is served, else the first."""
+        return asked if asked in self.names else self.model_name
+
     def compile_grammar(self, constraint: Constraint) -> Grammar:
         """A request's structured-output constraint compiled against the model's vocabulary (cached by the
         Compiler); on a worker thread."""
@@ -288,7 +292,8 @@ async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
         raw = await http.body()  # at most config.max_body_bytes, or Gate answers 413
         call = await asyncio.to_thread(parse_body, raw, chat, server.tokenizer, max_len=server.max_len,
                                        max_chars=server.max_chars, compile_grammar=server.compile_grammar,
-                                       special=server.config.special, tool_parser=server.config.tool_parser)
+                                       special=server.config.special, tool_parser=server.config.tool_parser,
+                                       sampling_defaults=dict(server.config.sampling_defaults))
         if call.ignored:
             log.warning(f"{http.url.path}: ignoring unknown fields {', '.join(f[:40] for f in call.ignored[:10])}")
         if server.gate.phase in ("closing", "failed"):
@@ -303,7 +308,7 @@ async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
         return error(400, str(e))
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and call.stream else ""),
-            "created": int(time.time()), "model": server.model_name}
+            "created": int(time.time()), "model": server.answering(call.model)}
     answer, choices = Answer(call, server.tokenizer, head), len(call.requests) * call.n
 
     if not call.stream:

@@ -60,6 +60,8 @@ class ServeConfig:
     max_model_len: int | None = None  # positions per sequence at most (prompt and completion), below the model's
     tool_parser: str | None = None  # the tool call syntax when not the chat template's (toolcalls.FORMATS)
     aliases: tuple[str, ...] = ()  # names served besides the model's (serve.py --served-model-name's others)
+    sampling_defaults: tuple[tuple[str, float], ...] = ()  # (field, value): generation_config.json's, for requests
+    # that leave the field out (serve.py --generation-config)
     shutdown_timeout_s: float = 20.0  # grace for running requests on SIGTERM; under Kubernetes' 30 s to SIGKILL
 
 

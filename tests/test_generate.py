@@ -579,7 +579,8 @@ def test_chat_template_replaces_the_models(capsys, cli_error, tiny_text_dir, tmp
     assert inline["prompt_tokens"] == len("<hello>")  # the character tokenizer: one token a character, no BOS
     (tmp_path / "t.jinja").write_text(template)
     assert json_run(capsys, [*run, "--chat-template", str(tmp_path / "t.jinja")]) == inline
-    assert json_run(capsys, [*run, "--system", "be", "--chat-template", template])["prompt_tokens"] == len("<be><hello>")
+    with_system = json_run(capsys, [*run, "--system", "be", "--chat-template", template])
+    assert with_system["prompt_tokens"] == len("<be><hello>")
 
 
 def test_hf_repo_is_a_hub_id(capsys, cli_error, monkeypatch, tiny_text_dir, tmp_path):
@@ -698,7 +699,8 @@ def test_generation_config_sets_the_sampling_defaults(capsys, cli_error, configu
                           "--top-p", "1"]) == 0
     assert "generation_config" not in capsys.readouterr().err  # every value it has was given
     args = generate.parse_args(["-p", "hi", "--generation-config", "vllm"])  # vLLM's flag: the file is not read
-    assert generate.checkpoint_sampling(generate.check_args(args), args, folder) == (SamplingParams(temperature=0.8), {})
+    assert generate.checkpoint_sampling(generate.check_args(args), args, folder) == \
+        (SamplingParams(temperature=0.8), {})
     other = configured_folder({"top_k": 7}).replace("configured", "other")
     shutil.copytree(configured_folder({"top_k": 7}), other)
     args = generate.parse_args(["-p", "hi", "--generation-config", other])  # a folder's file in place of the model's

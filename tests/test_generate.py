@@ -76,7 +76,8 @@ def error_of(cli_error, argv: list[str]) -> str:
     (["-p", "hi", "-t", "0"], "--threads must be >= 1 and <= 1024, got 0"),
     (["-p", "hi", "--repeat-penalty", "0"], "repetition_penalty must be > 0"),
     (["-p", "hi", "-m", "M", "-hf", "org/name"], "pass one of --model (-m) and --hf-repo (-hf), not both"),
-    (["-p", "hi", "-hf", "not a repo"], "--hf-repo takes a Hugging Face hub id ORG/NAME, got 'not a repo'"),
+    (["-p", "hi", "-hf", "not a repo"], "--hf-repo takes a Hugging Face hub id ORG/NAME or ORG/NAME:QUANT, got "
+     "'not a repo'"),
     (["-p", "hi", "--generation-config", "nowhere"], "--generation-config 'nowhere' is neither auto, vllm nor a "
      "folder with a generation_config.json"),
     (["-p", "hi", "--chat-template", "{{ x }}"], "--chat-template needs --chat"),
@@ -603,6 +604,44 @@ def test_hf_repo_is_a_hub_id(capsys, cli_error, monkeypatch, tiny_text_dir, tmp_
     assert error_of(cli_error, ["-hf", "org/name", "-p", "hi"]) == (
         "error: model 'org/name' could not be fetched from the Hugging Face hub (LocalEntryNotFoundError: Cannot find "
         "the requested files in the local cache.)")
+
+
+def test_hf_repo_takes_a_gguf_repositorys_file(monkeypatch, tmp_path):
+    """-hf ORG/NAME[:QUANT] as llama.cpp's: a model folder when the repository has config.json, else its one .gguf
+    file of QUANT (any case; default Q4_K_M), fetching only the files that match; anything else is one line."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from load import resolve_model_path
+
+    repos = {"org/folder": ["config.json", "model.safetensors", "README.md"],
+             "org/m-GGUF": ["m-Q4_K_M.gguf", "m-Q8_0.gguf", "README.md"], "org/q8": ["m-Q8_0.gguf"],
+             "org/split": ["m-Q4_K_M-00001-of-00002.gguf", "m-Q4_K_M-00002-of-00002.gguf"]}
+    fetched = []
+
+    def snapshot_download(repo, allow_patterns):
+        folder = tmp_path / repo.replace("/", "--")
+        for name in repos[repo]:
+            if any(fnmatch.fnmatchcase(name, p) for p in allow_patterns):
+                folder.mkdir(exist_ok=True)
+                (folder / name).write_text("")
+                fetched.append(name)
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert resolve_model_path("org/folder", hub=True) == str(tmp_path / "org--folder")
+    assert resolve_model_path("org/m-GGUF", hub=True) == str(tmp_path / "org--m-GGUF" / "m-Q4_K_M.gguf")
+    assert resolve_model_path("org/m-GGUF:q8_0", hub=True) == str(tmp_path / "org--m-GGUF" / "m-Q8_0.gguf")
+    assert fetched == ["config.json", "model.safetensors", "m-Q4_K_M.gguf", "m-Q8_0.gguf"]  # never all the quants
+    for repo, message in [("org/m-GGUF:Q5_K_S", "'org/m-GGUF' on the Hugging Face hub has no .gguf file of Q5_K_S; "
+                           "name another quantization, -hf org/m-GGUF:QUANT"),
+                          ("org/q8", "'org/q8' on the Hugging Face hub has no config.json and no .gguf file of Q4_K_M"),
+                          ("org/split", "has no config.json and 2 .gguf files of Q4_K_M (m-Q4_K_M-00001-of-00002.gguf, "
+                           "m-Q4_K_M-00002-of-00002.gguf); download the one to load (a split one merged")]:
+        with pytest.raises(FileNotFoundError) as e:
+            resolve_model_path(repo, hub=True)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 @pytest.mark.slow

@@ -982,7 +982,7 @@ def test_llama_cpp_and_vllm_flags(capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--alias", " "], "--served-model-name (--alias) names must be non-empty"),
     (["-m", "M", "-hf", "org/name"], "pass one of --model (-m) and --hf-repo (-hf), not both"),
-    (["-hf", "a/b/c"], "--hf-repo takes a Hugging Face hub id ORG/NAME, got 'a/b/c'"),
+    (["-hf", "a/b/c"], "--hf-repo takes a Hugging Face hub id ORG/NAME or ORG/NAME:QUANT, got 'a/b/c'"),
     (["--generation-config", "/no/such"], "--generation-config '/no/such' is neither auto, vllm nor a folder with a "
      "generation_config.json"),
     (["-c", "-1"], "--max-model-len must be >= 0 and <= 16777216, got -1"),

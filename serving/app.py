@@ -155,7 +155,12 @@ class Server:
     def limits(self) -> dict:
         """protocol.parse_request's keyword arguments for this server."""
         return dict(max_len=self.max_len, max_chars=self.max_chars, compile_grammar=self.compile_grammar,
-                    special=self.config.special, tool_parser=self.config.tool_parser, reasoning=self.reasoning)
+                    special=self.config.special, tool_parser=self.config.tool_parser, reasoning=self.reasoning,
+                    sampling_defaults=dict(self.config.sampling_defaults))
+
+    def answering(self, asked: str | None) -> str:
+        """The model name an answer gives: the one the request asked for when it is served, else the first."""
+        return asked if asked in self.names else self.model_name
 
     def compile_grammar(self, constraint: Constraint) -> Grammar:
         """A request's structured-output constraint compiled against the model's vocabulary (cached by the
@@ -303,7 +308,7 @@ def openai_answer(server: Server, call: Call) -> Answer:
     chat = call.chat
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and call.stream else ""),
-            "created": int(time.time()), "model": server.model_name}
+            "created": int(time.time()), "model": server.answering(call.model)}
     return Answer(call, server.tokenizer, head)
 
 
@@ -315,11 +320,11 @@ def anthropic_error(status: int, message: str, kind: str | None = None, param: s
 COMPLETIONS = Api(lambda server, raw: parse_body(raw, False, server.tokenizer, **server.limits()), openai_answer)
 CHAT = Api(lambda server, raw: parse_body(raw, True, server.tokenizer, **server.limits()), openai_answer)
 MESSAGES = Api(lambda server, raw: messages.parse_messages(raw, server.tokenizer, **server.limits()),
-               lambda server, call: messages.MessagesAnswer(call, server.tokenizer, server.model_name),
+               lambda server, call: messages.MessagesAnswer(call, server.tokenizer, server.answering(call.model)),
                anthropic_error)
 RESPONSES = Api(lambda server, raw: responses.parse_responses(raw, server.tokenizer, server.responses,
                                                               **server.limits()),
-                lambda server, call: responses.ResponsesAnswer(call, server.tokenizer, server.model_name,
+                lambda server, call: responses.ResponsesAnswer(call, server.tokenizer, server.answering(call.model),
                                                                server.responses))
 
 

@@ -62,6 +62,8 @@ class ServeConfig:
     tool_parser: str | None = None  # the tool call syntax when not the chat template's (toolcalls.FORMATS)
     reasoning_parser: str | None = None  # how reasoning is split out of chat answers (reasoning.tags_named)
     aliases: tuple[str, ...] = ()  # names served besides the model's (serve.py --served-model-name's others)
+    sampling_defaults: tuple[tuple[str, float], ...] = ()  # (field, value): generation_config.json's, for requests
+    # that leave the field out (serve.py --generation-config)
     shutdown_timeout_s: float = 20.0  # grace for running requests on SIGTERM; under Kubernetes' 30 s to SIGKILL
 
 

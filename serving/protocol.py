@@ -60,10 +60,11 @@ def get(body: dict, name: str, kind: str, default=None):
     return value
 
 
-def sampling_params(body: dict, vocab_size: int) -> SamplingParams:
-    """The sampling fields of a request; OpenAI's defaults (temperature 1). logit_bias maps token ids (as strings,
-    JSON's keys) to a bias in [-100, 100] added to their logits."""
-    defaults = SamplingParams(temperature=1.0)
+def sampling_params(body: dict, vocab_size: int, preset: dict | None = None) -> SamplingParams:
+    """The sampling fields of a request; for those left out, preset's (the model's generation_config.json, as vLLM)
+    or OpenAI's defaults (temperature 1). logit_bias maps token ids (as strings, JSON's keys) to a bias in
+    [-100, 100] added to their logits."""
+    defaults = SamplingParams(**{"temperature": 1.0, **(preset or {})})
     values = {name: get(body, name, "integer" if name == "top_k" else "number", getattr(defaults, name))
               for name in SAMPLING}
     bias = [(int(key) if key.isdigit() else key, value)  # JSON's keys are strings; params.py checks the rest
@@ -263,6 +264,7 @@ class Call:
     logprobs: int | None = None  # alternatives per token in the answer; None: no logprobs
     echo: bool = False
     ignored: tuple[str, ...] = ()  # unknown fields, ignored (the server logs them)
+    model: str | None = None  # the model name asked for (any served name is served by the one model)
     tools: ToolRequest | None = None  # chat's tools: calls are parsed out of each choice's text
     reasoning: Tags | None = None  # chat: the reasoning block's tags, split out of each choice's text
     thinking: bool = False  # the prompt leaves the model inside its reasoning block (DeepSeek-R1's template)
@@ -272,13 +274,15 @@ class Call:
 
 def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
                   compile_grammar: Callable[[Constraint], Grammar] | None = None, special: bool = True,
-                  tool_parser: str | None = None, reasoning: Tags | None = None) -> Call:
+                  tool_parser: str | None = None, reasoning: Tags | None = None,
+                  sampling_defaults: dict | None = None) -> Call:
     """A request body -> Call; BadRequest names what is wrong. max_len: the most positions a sequence may take,
     prompt and completion (chat's max_tokens defaults to what the prompt leaves of it); max_chars: the longest
     prompt text worth tokenizing (see check_chars); compile_grammar: a structured-output constraint -> its
     compiled grammar (ValueError for a bad one); special: whether special tokens' names in a completion prompt
     are those tokens (see completion_prompts); tool_parser: the tool call syntax (toolcalls.FORMATS) when not the
-    chat template's; reasoning: the tags of the model's reasoning block, to split it out of chat answers."""
+    chat template's; reasoning: the tags of the model's reasoning block, to split it out of chat answers;
+    sampling_defaults: the sampling fields' values when left out (sampling_params' preset)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     for name in (*NOT_SERVED, *([] if chat else ["tools", "tool_choice"])):
@@ -289,7 +293,7 @@ def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
         if body.get(name) is not None and body[name] != only:
             raise BadRequest(f"{name}={json.dumps(body[name])[:50]} is not supported; leave it out or pass "
                              f"{json.dumps(only)}", name)
-    get(body, "model", "string")  # any served name is served by the one model
+    model = get(body, "model", "string")
     get(body, "user", "string")
     tools = tools_of(body, tokenizer, tool_parser) if chat else None
     rendered = ""
@@ -299,7 +303,7 @@ def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
     else:
         prompts, texts = completion_prompts(body, tokenizer, max_chars, special)
     call = Call(chat, [], texts, ignored=tuple(sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))),
-                tools=tools, reasoning=reasoning if chat else None)
+                tools=tools, model=model, reasoning=reasoning if chat else None)
     call.thinking = call.reasoning is not None and opens_thinking(rendered, call.reasoning)
     call.echo = not chat and get(body, "echo", "boolean", False)
     call.logprobs = logprobs_of(body, chat)
@@ -312,7 +316,7 @@ def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
                          f"best_of={best_of} and {len(prompts)} prompts", name)
     if call.stream and best_of > call.n:
         raise BadRequest("best_of > n cannot stream: the best are known only at the end", "best_of")
-    params = sampling_params(body, tokenizer.vocab_size)
+    params = sampling_params(body, tokenizer.vocab_size, sampling_defaults)
     stop = stop_of(body)
     seed = get(body, "seed", "integer")
     if seed is not None and not 0 <= seed < 2 ** 64:

@@ -176,3 +176,30 @@ def test_serve_numeric_flag_table(dest, value):
     with pytest.raises(ValueError) as e:
         serve.check_flags(args)
     assert str(e.value).startswith(f"{flag} must be ") and "\n" not in str(e.value)
+
+
+def test_llama_cpp_aliases_share_the_checked_flags_and_the_documented_exceptions():
+    """llama.cpp's and vLLM's names (-c, -t, --ctx-size, --repeat-penalty) are the checked flags under another
+    name, not new unchecked ones; the exceptions to ">= 1" are llama.cpp's: -n -1 (until the end of turn or a full
+    context) and -c 0 (the model's context), for generate.py and serve.py alike."""
+    import generate
+    import serve
+
+    for parser, dests in ((generate.build_parser(), {"-c": "ctx_size", "--ctx-size": "ctx_size", "-t": "threads",
+                                                     "--repeat-penalty": "repetition_penalty"}),
+                          (serve.build_parser(), {"-c": "max_model_len", "--ctx-size": "max_model_len",
+                                                  "-t": "threads"})):
+        for flag, dest in dests.items():
+            assert parser._option_string_actions[flag].dest == dest and parser._option_string_actions[flag].type in \
+                (int, float)
+    for argv, allowed in ((["-n", "-1"], True), (["-n", "-2"], False), (["-n", "0"], False), (["-c", "0"], True),
+                          (["-c", "1"], False), (["-c", "-1"], False)):
+        args = generate.parse_args(["-p", "hi", *argv])
+        if allowed:
+            generate.check_args(args)
+        else:
+            with pytest.raises(ValueError, match=r"^--(max-new-tokens|ctx-size) must be "):
+                generate.check_args(args)
+    serve.check_flags(serve.parse_args(["-c", "0"]))
+    with pytest.raises(ValueError, match=r"^--max-model-len must be >= 0"):
+        serve.check_flags(serve.parse_args(["--ctx-size", "-1"]))

@@ -68,7 +68,21 @@ def error_of(cli_error, argv: list[str]) -> str:
      "prompt to stdin"),
     (["--prompt", "-", "--interactive", "--chat"], "--prompt - reads the prompt from stdin, where --interactive reads"),
     (["-f", "nope.txt"], "prompt file 'nope.txt' does not exist"),
-    (["-p", "hi", "--ctx-size", "1"], "--ctx-size must be >= 2 (a prompt token and a new one), got 1"),
+    (["-p", "hi", "--ctx-size", "1"], "--ctx-size must be >= 2 (a prompt token and a new one), or 0 (the model's), "
+     "got 1"),
+    (["-p", "hi", "-c", "-1"], "--ctx-size must be >= 2"),
+    (["-p", "hi", "-n", "-2"], "--max-new-tokens must be >= 1, or -1 (until the end of turn or a full context), "
+     "got -2"),
+    (["-p", "hi", "-t", "0"], "--threads must be >= 1 and <= 1024, got 0"),
+    (["-p", "hi", "--repeat-penalty", "0"], "repetition_penalty must be > 0"),
+    (["-p", "hi", "-m", "M", "-hf", "org/name"], "pass one of --model (-m) and --hf-repo (-hf), not both"),
+    (["-p", "hi", "-hf", "not a repo"], "--hf-repo takes a Hugging Face hub id ORG/NAME or ORG/NAME:QUANT, got "
+     "'not a repo'"),
+    (["-p", "hi", "--generation-config", "nowhere"], "--generation-config 'nowhere' is neither auto, vllm nor a "
+     "folder with a generation_config.json"),
+    (["-p", "hi", "--chat-template", "{{ x }}"], "--chat-template needs --chat"),
+    (["-p", "hi", "--chat", "--chat-template", "{% for %}"], "--chat-template is not a Jinja template: "),
+    (["-p", "hi", "--chat", "--chat-template", "nope.jinja"], "--chat-template file 'nope.jinja' does not exist"),
     (["-p", "hi", "--threads", "0"], "--threads must be >= 1 and <= 1024, got 0"),
     (["--prompt", "hi", "--quantize", "int3"], "unknown quantization mode 'int3'"),
     (["--prompt", "hi", "--quantize", "int4:48"], "group size '48'"),
@@ -517,6 +531,9 @@ def json_run(capsys, argv: list[str]) -> dict:
 def test_short_flags_and_version(capsys):
     args = generate.parse_args(["-m", "M", "-p", "hi", "-n", "5"])
     assert (args.model, args.prompt, args.max_new_tokens) == ("M", "hi", 5)
+    args = generate.parse_args(["-hf", "org/name", "-c", "64", "-t", "2", "-n", "-1", "--repeat-penalty", "1.1"])
+    assert (args.hf_repo, args.ctx_size, args.threads, args.max_new_tokens, args.repetition_penalty) == \
+        ("org/name", 64, 2, -1, 1.1)  # -hf was -h -f: the help, and exit 0
     assert generate.parse_args(["-f", "p.txt"]).prompt_file == "p.txt"
     with pytest.raises(SystemExit) as e:
         generate.parse_args(["--version"])
@@ -543,6 +560,99 @@ def test_prompt_from_a_file_or_stdin(capsys, cli_error, monkeypatch, tmp_path, t
     assert "prompt file" in error_of(cli_error, [*run, "-f", str(tmp_path / "latin1.txt")])
     monkeypatch.setattr("sys.stdin", io.StringIO("caf\udce9"))  # a bad byte, as the POSIX locale reads it
     assert "stdin is not valid UTF-8 text" in error_of(cli_error, [*run, "-p", "-"])
+
+
+def test_n_minus_one_runs_until_the_context_is_full(capsys, tiny_text_dir):
+    """-n -1 (llama.cpp's): as many tokens as the context leaves, the whole model's or -c's (0: the model's)."""
+    run = tiny_run(tiny_text_dir, "--ignore-eos", "-p", "hello", "-n", "-1")
+    out = json_run(capsys, [*run, "-c", "16"])
+    assert len(out["tokens"]) == 16 - 5 and out["finish_reason"] == "length"
+    assert len(json_run(capsys, [*run, "-c", "0"])["tokens"]) == 256 - 5  # the tiny model's context
+    assert len(json_run(capsys, tiny_run(tiny_text_dir, "-p", "hello", "-c", "0", "-n", "3"))["tokens"]) == 3
+
+
+def test_chat_template_replaces_the_models(capsys, cli_error, tiny_text_dir, tmp_path):
+    """--chat-template TEMPLATE or FILE renders --chat's messages (the tiny folder has no template of its own)."""
+    template = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    run = tiny_run(tiny_text_dir, "-p", "hello", "-n", "2", "--chat")
+    assert "--chat needs a chat template" in error_of(cli_error, run)
+    inline = json_run(capsys, [*run, "--chat-template", template])
+    assert inline["prompt_tokens"] == len("<hello>")  # the character tokenizer: one token a character, no BOS
+    (tmp_path / "t.jinja").write_text(template)
+    assert json_run(capsys, [*run, "--chat-template", str(tmp_path / "t.jinja")]) == inline
+    with_system = json_run(capsys, [*run, "--system", "be", "--chat-template", template])
+    assert with_system["prompt_tokens"] == len("<be><hello>")
+
+
+def test_hf_repo_is_a_hub_id(capsys, cli_error, monkeypatch, tiny_text_dir, tmp_path):
+    """-hf ORG/NAME fetches ORG/NAME from the hub, even where a local folder has that name (--model loads that one);
+    a fetch that fails (offline) is one line."""
+    import huggingface_hub
+
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: fetched.append(repo) or tiny_text_dir)
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_text_dir, tmp_path / "org" / "name")
+    run = tiny_run("org/name", "-p", "hi", "-n", "2")
+    local = json_run(capsys, run)
+    assert fetched == [] and json_run(capsys, ["-hf", "org/name", *run[2:]]) == local and fetched == ["org/name"]
+
+    def offline(repo, **kw):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("Cannot find the requested files in the local cache.\n"
+                                                             "More text")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    assert error_of(cli_error, ["-hf", "org/name", "-p", "hi"]) == (
+        "error: model 'org/name' could not be fetched from the Hugging Face hub (LocalEntryNotFoundError: Cannot find "
+        "the requested files in the local cache.)")
+
+
+def test_hf_repo_takes_a_gguf_repositorys_file(monkeypatch, tmp_path):
+    """-hf ORG/NAME[:QUANT] as llama.cpp's: a model folder when the repository has config.json, else its one .gguf
+    file of QUANT (any case; default Q4_K_M), fetching only the files that match; anything else is one line."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from load import resolve_model_path
+
+    repos = {"org/folder": ["config.json", "model.safetensors", "README.md"],
+             "org/m-GGUF": ["m-Q4_K_M.gguf", "m-Q8_0.gguf", "README.md"], "org/q8": ["m-Q8_0.gguf"],
+             "org/split": ["m-Q4_K_M-00001-of-00002.gguf", "m-Q4_K_M-00002-of-00002.gguf"]}
+    fetched = []
+
+    def snapshot_download(repo, allow_patterns):
+        folder = tmp_path / repo.replace("/", "--")
+        for name in repos[repo]:
+            if any(fnmatch.fnmatchcase(name, p) for p in allow_patterns):
+                folder.mkdir(exist_ok=True)
+                (folder / name).write_text("")
+                fetched.append(name)
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert resolve_model_path("org/folder", hub=True) == str(tmp_path / "org--folder")
+    assert resolve_model_path("org/m-GGUF", hub=True) == str(tmp_path / "org--m-GGUF" / "m-Q4_K_M.gguf")
+    assert resolve_model_path("org/m-GGUF:q8_0", hub=True) == str(tmp_path / "org--m-GGUF" / "m-Q8_0.gguf")
+    assert fetched == ["config.json", "model.safetensors", "m-Q4_K_M.gguf", "m-Q8_0.gguf"]  # never all the quants
+    for repo, message in [("org/m-GGUF:Q5_K_S", "'org/m-GGUF' on the Hugging Face hub has no .gguf file of Q5_K_S; "
+                           "name another quantization, -hf org/m-GGUF:QUANT"),
+                          ("org/q8", "'org/q8' on the Hugging Face hub has no config.json and no .gguf file of Q4_K_M"),
+                          ("org/split", "has no config.json and 2 .gguf files of Q4_K_M (m-Q4_K_M-00001-of-00002.gguf, "
+                           "m-Q4_K_M-00002-of-00002.gguf); download the one to load (a split one merged")]:
+        with pytest.raises(FileNotFoundError) as e:
+            resolve_model_path(repo, hub=True)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.slow
+def test_hf_repo_offline_is_one_line():
+    """`generate.py -hf ORG/NAME` with the hub out of reach: exit 1 and one error line (it printed the help)."""
+    result = subprocess.run([sys.executable, "generate.py", "-hf", "HuggingFaceTB/no-such-model", "-p", "hi"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**child_env(), "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1 and result.stdout == "", result
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(
+        "error: model 'HuggingFaceTB/no-such-model' could not be fetched from the Hugging Face hub ("), result.stderr
 
 
 @pytest.mark.slow
@@ -627,6 +737,14 @@ def test_generation_config_sets_the_sampling_defaults(capsys, cli_error, configu
     assert generate.main(["-m", folder, "-p", "hi", "-n", "3", "--compile", "none", "--temperature", "0",
                           "--top-p", "1"]) == 0
     assert "generation_config" not in capsys.readouterr().err  # every value it has was given
+    args = generate.parse_args(["-p", "hi", "--generation-config", "vllm"])  # vLLM's flag: the file is not read
+    assert generate.checkpoint_sampling(generate.check_args(args), args, folder) == \
+        (SamplingParams(temperature=0.8), {})
+    other = configured_folder({"top_k": 7}).replace("configured", "other")
+    shutil.copytree(configured_folder({"top_k": 7}), other)
+    args = generate.parse_args(["-p", "hi", "--generation-config", other])  # a folder's file in place of the model's
+    params, found = generate.checkpoint_sampling(generate.check_args(args), args, smollm2_gguf)
+    assert params == SamplingParams(temperature=0.8, top_k=7) and found == {"top_k": 7}
     for config, fragment in [({"top_p": 1.5}, "the model's generation_config.json: top_p must be in (0, 1]"),
                              ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
                              ({"top_k": 2.5}, "top_k must be an integer, got 2.5"),

@@ -953,6 +953,161 @@ def test_connection_flags_out_of_range(flags, message):
     assert str(e.value) == message
 
 
+# ---- the habits of llama-server and vLLM users: short flags, aliases, chat template, generation_config.json ----
+
+def test_llama_cpp_and_vllm_flags(capsys):
+    """-m, -c/--ctx-size (--max-model-len; 0 is the model's), -t, -a/--alias with --served-model-name (one list of
+    names, each once), -hf, --chat-template, --generation-config and --version parse as llama-server's and vLLM's."""
+    import serve
+
+    args = parse_args(["-m", "M", "-c", "512", "-t", "2", "--alias", "a", "--served-model-name", "b", "c", "-a", "a"])
+    assert (args.model, args.max_model_len, args.threads) == ("M", 512, 2)
+    assert serve.served_names(args, "M") == ["a", "b", "c"] and serve_config(args).aliases == ("b", "c")
+    assert serve.served_names(parse_args([]), os.path.join(ROOT, "serve.py")) == ["serve.py"]  # a file's name
+    assert parse_args(["--ctx-size", "64"]).max_model_len == 64
+    assert serve_config(parse_args(["-c", "0"])).max_model_len is None  # 0: the model's context, as llama.cpp
+    args = parse_args(["-hf", "org/name", "--chat-template", "t.jinja", "--generation-config", "vllm"])
+    assert (args.hf_repo, args.chat_template, args.generation_config) == ("org/name", "t.jinja", "vllm")
+    assert parse_args([]).generation_config == "auto"
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("tinyllm 0.1.0 (torch ")
+    sampling = {"temperature": 0.6, "top_p": 0.9}
+    assert serve_config(parse_args([]), sampling).sampling_defaults == (("temperature", 0.6), ("top_p", 0.9))
+    assert serve.sampling_line(sampling, "auto") == ("sampling defaults from the model's generation_config.json: "
+                                                     "temperature 0.6, top_p 0.9 (for requests that leave them out; "
+                                                     "--generation-config vllm ignores them)")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--alias", " "], "--served-model-name (--alias) names must be non-empty"),
+    (["-m", "M", "-hf", "org/name"], "pass one of --model (-m) and --hf-repo (-hf), not both"),
+    (["-hf", "a/b/c"], "--hf-repo takes a Hugging Face hub id ORG/NAME or ORG/NAME:QUANT, got 'a/b/c'"),
+    (["--generation-config", "/no/such"], "--generation-config '/no/such' is neither auto, vllm nor a folder with a "
+     "generation_config.json"),
+    (["-c", "-1"], "--max-model-len must be >= 0 and <= 16777216, got -1"),
+])
+def test_model_flags_refused_before_loading(flags, message):
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        check_flags(parse_args(flags))
+    assert str(e.value) == message
+
+
+def test_model_flags_load_the_model_they_name(tiny_text_dir, tmp_path, monkeypatch):
+    """serve.load: -hf fetches (named by its hub id), --chat-template replaces the model's, --alias names it, and
+    --generation-config says where the sampling defaults come from (auto: the folder's; vllm: none; FOLDER's);
+    a bad template is refused before anything loads."""
+    import shutil
+
+    import huggingface_hub
+    import torch
+
+    import serve
+
+    folder, other = tmp_path / "model", tmp_path / "other"
+    shutil.copytree(tiny_text_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: str(folder))
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    def load(*flags: str):
+        _, tokenizer, sampling, names = serve.load(parse_args(list(flags)), torch.device("cpu"), torch.float32)
+        return tokenizer.chat_template, sampling, names
+
+    assert load("-hf", "org/name", "--chat-template", template) == (template, {"temperature": 0.6, "top_k": 20},
+                                                                     ["org/name"])
+    own, sampling, names = load("-m", str(folder), "--generation-config", "vllm", "--alias", "x")
+    assert own is None and sampling == {} and names == ["x"]  # the tiny folder has no template of its own
+    assert load("-m", str(folder), "--generation-config", str(other))[1] == {"top_p": 0.5}
+    monkeypatch.setattr(serve, "generation_config", lambda *a: pytest.fail("it went on"))
+    with pytest.raises(ValueError, match=r"^--chat-template is not a Jinja template: "):
+        load("-m", str(folder), "--chat-template", "{% if %}")
+
+
+def tiny_app(tiny, tiny_text_dir, **config):
+    """The app over the tiny model and its character tokenizer (fast), named "m"."""
+    from tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_text_dir)
+    engine = Engine(tiny, tokenizer, EngineConfig(num_blocks=32, max_running=4, token_budget=64))
+    return make_app(engine, tokenizer, "m", config=ServeConfig(**config))
+
+
+def test_answers_name_the_model_asked_for_and_take_the_sampling_defaults(tiny, tiny_text_dir, monkeypatch):
+    """The model field of an answer is the served name the request used (the first name for another or none), in
+    streams too; generation_config.json's values are the defaults of the fields a request leaves out."""
+    app = tiny_app(tiny, tiny_text_dir, aliases=("alias",), sampling_defaults=(("temperature", 0.6), ("top_k", 5)))
+    engine, seen = app.state.server.engine, []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda request: seen.append(request.params) or submit(request))
+
+    async def scenario():
+        async with in_process(app) as c:
+            names = []
+            for model in ("alias", "m", "other", None):
+                body = {"prompt": "hi", "max_tokens": 2, **({"model": model} if model else {})}
+                r = await c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                names.append(r.json()["model"])
+            r = await c.post("/v1/completions", json={"model": "alias", "prompt": "hi", "max_tokens": 2,
+                                                      "stream": True, "temperature": 0, "top_k": 0})
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            return names, {chunk["model"] for chunk in chunks}
+
+    names, streamed = asyncio.run(scenario())
+    assert names == ["alias", "m", "m", "m"] and streamed == {"alias"}
+    assert [(p.temperature, p.top_k, p.top_p) for p in seen] == [(0.6, 5, 1.0)] * 4 + [(0, 0, 1.0)]
+
+
+@pytest.mark.slow
+def test_aliases_ctx_size_and_chat_template_on_a_real_server(smollm2_gguf, tmp_path):
+    """serve.py -a a b -c 512 --chat-template FILE: both names listed with the context, each answered under its own
+    name (the openai client, plain and streamed), and the chat rendered with FILE's template."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    proc, url = start_server(smollm2_gguf, "-a", "a", "b", "-c", "512", "--chat-template", str(tmp_path / "t.jinja"))
+    try:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert [(m.id, m.max_model_len) for m in c.models.list().data] == [("a", 512), ("b", 512)]
+        plain = c.chat.completions.create(model="b", messages=CHAT, max_tokens=3, temperature=0)
+        streamed = c.chat.completions.create(model="a", messages=CHAT, max_tokens=3, temperature=0, stream=True)
+        assert plain.model == "b" and {chunk.model for chunk in streamed} == {"a"}
+        ids = httpx.post(f"{url}/tokenize", json={"prompt": CHAT[0]["content"], "add_special_tokens": False}).json()
+        assert plain.usage.prompt_tokens == ids["count"]  # the bare content: FILE's template, not the model's
+        assert httpx.get(f"{url}/tokenizer_info").json()["chat_template"] == template
+    finally:
+        stop_server(proc)
+
+
+@pytest.mark.slow
+def test_startup_says_which_sampling_defaults_it_took(tiny_text_dir, tmp_path):
+    """serve.py on a folder whose generation_config.json sets sampling values says so at startup (as vLLM warns);
+    --generation-config vllm serves without them, and says nothing."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_text_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "eos_token_id": 2}))
+    lines = {}
+    for flags in ([], ["--generation-config", "vllm"]):
+        proc = subprocess.Popen([sys.executable, "serve.py", "--model", str(folder), "--dtype", "float32", "--port",
+                                 "0", *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            seen = []
+            while not seen or not seen[-1].startswith("serving "):  # the startup line; the sampling one follows
+                seen.append(proc.stdout.readline())
+                assert seen[-1], "".join(seen)
+        finally:
+            stop_server(proc)
+        lines[bool(flags)] = [line for line in seen + proc.stdout.readlines() if "sampling" in line]
+    assert lines[False] == ["sampling defaults from the model's generation_config.json: temperature 0.6, top_p 0.9 "
+                            "(for requests that leave them out; --generation-config vllm ignores them)\n"]
+    assert lines[True] == []
+
+
 # ---- connections, against a real server (raw sockets) ----
 
 HEADER_TIMEOUT_S, MAX_CONNECTIONS = 1.0, 4

@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 
 from fastapi import FastAPI
@@ -32,8 +32,9 @@ from serving.answer import Answer
 from serving.contract import Event, Request
 from serving.engine import Engine, QueueFull
 from serving.gate import Gate, GateState, QuietLoopErrors, ServeConfig, error
-from serving.protocol import (BadRequest, error_body, longest_token, parse_body, parse_detokenize, parse_json,
-                              parse_tokenize)
+from serving.llamacpp import InfillAnswer, parse_infill
+from serving.protocol import (BadRequest, Call, error_body, longest_token, parse_body, parse_detokenize, parse_json,
+                              parse_tokenize, tokenize_answer)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)  # seconds
@@ -281,14 +282,12 @@ async def abort_on_disconnect(receive, server: Server, queue: asyncio.Queue) -> 
     server.release(queue)
 
 
-async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
-    """POST /v1/completions (chat=False) and /v1/chat/completions (chat=True)."""
-    t0 = time.perf_counter()
+async def admit(server: Server, http: HTTPRequest, parse: Callable[[bytes], Call]) -> tuple | Response:
+    """Read a generation's body, parse it (on a worker thread: a large body takes a while to parse and tokenize)
+    and submit its requests: (call, engine ids, event queue), or the error response."""
     try:
         raw = await http.body()  # at most config.max_body_bytes, or Gate answers 413
-        call = await asyncio.to_thread(parse_body, raw, chat, server.tokenizer, max_len=server.max_len,
-                                       max_chars=server.max_chars, compile_grammar=server.compile_grammar,
-                                       special=server.config.special, tool_parser=server.config.tool_parser)
+        call = await asyncio.to_thread(parse, raw)
         if call.ignored:
             log.warning(f"{http.url.path}: ignoring unknown fields {', '.join(f[:40] for f in call.ignored[:10])}")
         if server.gate.phase in ("closing", "failed"):
@@ -301,11 +300,30 @@ async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
                      headers={"Retry-After": str(RETRY_AFTER_S)})
     except ValueError as e:  # the engine's checks: prompt longer than the context, more KV blocks than the pool
         return error(400, str(e))
+    return call, ids, queue
+
+
+async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
+    """POST /v1/completions (chat=False) and /v1/chat/completions (chat=True)."""
+    t0 = time.perf_counter()
+    admitted = await admit(server, http, lambda raw: parse_body(
+        raw, chat, server.tokenizer, max_len=server.max_len, max_chars=server.max_chars,
+        compile_grammar=server.compile_grammar, special=server.config.special, tool_parser=server.config.tool_parser))
+    if isinstance(admitted, Response):
+        return admitted
+    call = admitted[0]
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "object": ("chat.completion" if chat else "text_completion") + (".chunk" if chat and call.stream else ""),
             "created": int(time.time()), "model": server.model_name}
-    answer, choices = Answer(call, server.tokenizer, head), len(call.requests) * call.n
+    return await respond(server, http, admitted, Answer(call, server.tokenizer, head), t0)
 
+
+async def respond(server: Server, http: HTTPRequest, admitted: tuple, answer, t0: float,
+                  done: bool = True) -> Response:
+    """The answer to an admitted call from its events: the body, or the stream (ended by `data: [DONE]` when
+    done; llama.cpp's streams have none). answer: answer.Answer's interface (opening, add, closing, body)."""
+    call, ids, queue = admitted
+    choices = len(call.requests) * call.n
     if not call.stream:
         watcher = asyncio.create_task(abort_on_disconnect(http.receive, server, queue))
         try:
@@ -330,13 +348,30 @@ async def generation(server: Server, http: HTTPRequest, chat: bool) -> Response:
                 yield chunk
         except Failed as e:  # the status (200) is sent already: report it in the stream
             yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
-        yield "data: [DONE]\n\n"
+        if done:
+            yield "data: [DONE]\n\n"
 
     async def release() -> None:  # for a client gone before the stream began: sse() never ran, nor its finally
         server.release(queue)
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                              background=BackgroundTask(release))
+
+
+async def infill(server: Server, http: HTTPRequest) -> Response:
+    """llama.cpp's POST /infill: fill-in-the-middle, answered in llama.cpp's /completion shape."""
+    t0, asked = time.perf_counter(), {}
+
+    def parse(raw: bytes) -> Call:
+        call, asked["return_tokens"] = parse_infill(parse_json(raw), server.tokenizer, max_len=server.max_len,
+                                                    max_chars=server.max_chars)
+        return call
+
+    admitted = await admit(server, http, parse)
+    if isinstance(admitted, Response):
+        return admitted
+    answer = InfillAnswer(admitted[0], server.tokenizer, server.model_name, asked["return_tokens"])
+    return await respond(server, http, admitted, answer, t0, done=False)
 
 
 def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = True,
@@ -372,7 +407,7 @@ def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = T
 
 
 def add_generation_routes(app: FastAPI, server: Server) -> None:
-    """POST /v1/completions and /v1/chat/completions."""
+    """POST /v1/completions, /v1/chat/completions and llama.cpp's /infill."""
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest) -> Response:
         return await generation(server, http, chat=False)
@@ -380,6 +415,10 @@ def add_generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest) -> Response:
         return await generation(server, http, chat=True)
+
+    @app.post("/infill")
+    async def infill_route(http: HTTPRequest) -> Response:
+        return await infill(server, http)
 
 
 def add_model_routes(app: FastAPI, server: Server) -> None:
@@ -409,9 +448,9 @@ def add_tokenizer_routes(app: FastAPI, server: Server) -> None:
         try:
             body = parse_json(await http.body())
             ids = await asyncio.to_thread(parse_tokenize, body, tokenizer, server.max_chars)
+            return JSONResponse(tokenize_answer(body, ids, tokenizer, server.max_len))
         except BadRequest as e:
             return error(400, str(e), param=e.param)
-        return JSONResponse({"count": len(ids), "max_model_len": server.max_len, "tokens": ids, "token_strs": None})
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:  # vLLM's: what lm-eval's tokenizer_backend=remote reads

@@ -2,8 +2,9 @@
 
     python serve.py          # the default offline model on http://127.0.0.1:8000
 
-POST /v1/completions and /v1/chat/completions (JSON, or with "stream": true server-sent events), GET /v1/models,
-/health and /metrics (Prometheus text format: request counts, engine gauges, TTFT and TPOT histograms).
+POST /v1/completions and /v1/chat/completions (JSON, or with "stream": true server-sent events), /v1/embeddings,
+llama.cpp's /infill, GET /v1/models, /health and /metrics (Prometheus text format: request counts, engine gauges,
+TTFT and TPOT histograms).
 
 This is the command: its flags, their checks, loading the model and running the app (serving/app.py: the routes,
 and Server, what they share) with uvicorn. `python serve.py` steps the engine (Engine.run_forever) on the main
@@ -42,6 +43,7 @@ import time
 
 from cli import (DTYPES, THREADS, THREADS_HELP, WEIGHTS_CACHE_HELP, Range, check_ranges, default_model, pick_device,
                  pick_dtype, run_cli, set_threads, weights_cache)
+from features.embed import POOLINGS
 from features.sinks import SinkWindow
 from features.toolcalls import FORMATS
 from serving.app import make_app
@@ -130,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
                    help="the syntax the model writes tool calls in (default: recognised from its chat template, else "
                    "hermes; see README, Tool calling)")
+    p.add_argument("--pooling", default=serving.pooling, choices=POOLINGS,
+                   help="how /v1/embeddings makes one vector of a text's final hidden states, L2-normalized "
+                   "(default mean: the average of every token's state, the usual choice for a language model "
+                   "without an embedding head, whose last state is shaped to predict the next token; last: the final "
+                   "token's, for models trained to embed that way, e.g. e5-mistral, gte-Qwen2)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
     p.add_argument("--weights-cache", default=None, metavar="DIR", help=WEIGHTS_CACHE_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
@@ -174,7 +181,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.header_timeout,
                        max_connections=args.max_connections, special=args.prompt_special_tokens == "tokens",
                        max_model_len=args.max_model_len, aliases=tuple((args.served_model_name or [])[1:]),
-                       tool_parser=args.tool_call_parser)
+                       tool_parser=args.tool_call_parser, pooling=args.pooling)
 
 
 def check_port(host: str, port: int) -> None:

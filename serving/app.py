@@ -11,6 +11,7 @@ whose client goes away is aborted (Server.release), so its KV blocks return to t
 """
 import asyncio
 import bisect
+import functools
 import json
 import logging
 import threading
@@ -27,9 +28,11 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from features.constraint import Constraint, Grammar
+from features.embed import embed
 from features.grammar import Compiler
 from serving.answer import Answer
 from serving.contract import Event, Request
+from serving.embeddings import embeddings_body, parse_embeddings
 from serving.engine import Engine, QueueFull
 from serving.gate import Gate, GateState, QuietLoopErrors, ServeConfig, error
 from serving.llamacpp import InfillAnswer, parse_infill
@@ -186,6 +189,7 @@ class Server:
         """Enter `state` ("closing" or "failed") and wake every request waiting for events: each ends with Failed
         (see events())."""
         self.gate.phase, self.gate.why = state, why
+        self.engine.fail_jobs(why)  # the embeddings waiting for the engine
         for queue in list(self.open):
             queue.put_nowait((time.perf_counter(), None, None))
 
@@ -400,6 +404,7 @@ def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = T
         return error(e.status_code, str(e.detail))
 
     add_generation_routes(app, server)
+    add_embedding_routes(app, server)
     add_model_routes(app, server)
     add_tokenizer_routes(app, server)
     add_status_routes(app, server)
@@ -419,6 +424,36 @@ def add_generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/infill")
     async def infill_route(http: HTTPRequest) -> Response:
         return await infill(server, http)
+
+
+def add_embedding_routes(app: FastAPI, server: Server) -> None:
+    """POST /v1/embeddings: each input's vector from its own forward, run as an engine job (Engine.run_job: the
+    engine's thread owns the model), pooled as config.pooling says."""
+    model = server.engine.model
+
+    @app.post("/v1/embeddings")
+    async def embeddings(http: HTTPRequest) -> Response:
+        try:
+            body = parse_json(await http.body())
+            call = await asyncio.to_thread(parse_embeddings, body, server.tokenizer, max_len=server.max_len,
+                                           max_chars=server.max_chars, dim=model.args.dim,
+                                           special=server.config.special)
+        except BadRequest as e:
+            return error(400, str(e), param=e.param)
+        if call.ignored:
+            log.warning(f"{http.url.path}: ignoring unknown fields {', '.join(f[:40] for f in call.ignored[:10])}")
+        if server.gate.phase in ("closing", "failed"):
+            return error(503, server.gate.why, "server_error")
+        jobs = [server.engine.run_job(functools.partial(embed, model, [ids], server.config.pooling))
+                for ids in call.inputs]
+        try:
+            vectors = [v for job in jobs for v in await asyncio.wrap_future(job)]
+        except Exception as e:  # the engine stopped (fail_jobs: RuntimeError) or the forward failed
+            return error(503 if server.gate.phase == "closing" else 500, str(e), "server_error")
+        finally:
+            for job in jobs:  # those not started yet, when this handler ends early (its client went away)
+                job.cancel()
+        return JSONResponse(embeddings_body(call, vectors, server.model_name))
 
 
 def add_model_routes(app: FastAPI, server: Server) -> None:

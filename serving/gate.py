@@ -60,6 +60,7 @@ class ServeConfig:
     max_model_len: int | None = None  # positions per sequence at most (prompt and completion), below the model's
     tool_parser: str | None = None  # the tool call syntax when not the chat template's (toolcalls.FORMATS)
     aliases: tuple[str, ...] = ()  # names served besides the model's (serve.py --served-model-name's others)
+    pooling: str = "mean"  # how /v1/embeddings pools the final hidden states (features/embed.py POOLINGS)
     shutdown_timeout_s: float = 20.0  # grace for running requests on SIGTERM; under Kubernetes' 30 s to SIGKILL
 
 

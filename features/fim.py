@@ -12,9 +12,11 @@ NAMES = {
     "middle": ("<|fim_middle|>", "<fim_middle>", "<fim-middle>", "<MID>", "▁<MID>", "<｜fim▁end｜>"),
     "repo": ("<|repo_name|>", "<repo_name>", "<reponame>"),
     "file_sep": ("<|file_sep|>", "<file_sep>"),
+    "pad": ("<|fim_pad|>", "<fim_pad>"),
 }
 # GGUF's `tokenizer.ggml.<key>_token_id` for each role (llama.cpp's names), read into Tokenizer.fim_ids
-GGUF_KEYS = {"prefix": "fim_pre", "suffix": "fim_suf", "middle": "fim_mid", "repo": "fim_rep", "file_sep": "fim_sep"}
+GGUF_KEYS = {"prefix": "fim_pre", "suffix": "fim_suf", "middle": "fim_mid", "repo": "fim_rep", "file_sep": "fim_sep",
+             "pad": "fim_pad"}
 REQUIRED = ("prefix", "suffix", "middle")
 REPO_NAME = "myproject"  # the repository's name in a repo-level prompt (llama.cpp's placeholder)
 CURRENT_FILE = "filename"  # the name of the file being edited, which requests do not give (llama.cpp's too)
@@ -23,12 +25,19 @@ SNIPPET = "\n\n--- snippet ---\n\n"  # separates extra chunks for a vocabulary w
 
 @dataclass(frozen=True)
 class FimTokens:
-    """The ids of a vocabulary's FIM tokens; repo and file_sep (repository-level context) may be missing."""
+    """The ids of a vocabulary's FIM tokens; repo and file_sep (repository-level context) and pad may be missing."""
     prefix: int
     suffix: int
     middle: int
     repo: int | None = None
     file_sep: int | None = None
+    pad: int | None = None
+
+    def stops(self, tokenizer) -> list[str]:
+        """The FIM tokens' names, as stop strings: a middle ends there, as llama.cpp ends one at these tokens (any
+        of them after the middle starts another file or another gap), when the model writes no EOS first."""
+        ids = (self.prefix, self.suffix, self.middle, self.repo, self.file_sep, self.pad)
+        return [tokenizer.backend.id_to_token(i) for i in ids if i is not None]
 
 
 def find_fim_tokens(tokenizer) -> FimTokens:

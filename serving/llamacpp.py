@@ -58,7 +58,7 @@ def parse_infill(body, tokenizer, *, max_len: int, max_chars: int) -> tuple[Call
         raise BadRequest(f"seed must be -1 or in [0, 2**64), got {seed}", "seed")
     stream, _, _ = stream_of({"stream": body.get("stream")})
     request = Request(ids, sampling_params(sampling, tokenizer.vocab_size),
-                      room if n_predict == -1 else min(n_predict, room), stop_of(body), seed)
+                      room if n_predict == -1 else min(n_predict, room), stop_of(body, fim.stops(tokenizer)), seed)
     call = Call(False, [request], [""], stream=stream, ignored=tuple(sorted(set(body) - FIELDS)))
     return call, get(body, "return_tokens", "boolean", False)
 

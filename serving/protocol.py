@@ -265,10 +265,11 @@ def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
     get(body, "model", "string")  # any served name is served by the one model
     get(body, "user", "string")
     tools = tools_of(body, tokenizer, tool_parser) if chat else None
+    fim_stops = []  # with a suffix, the FIM tokens end the middle
     if chat:
         prompts, texts = [chat_prompt(body, tokenizer, max_chars, tools)], [""]
     elif get(body, "suffix", "string"):  # "" asks for no suffix (some clients send it)
-        prompts, texts = fim_prompts(body, tokenizer, max_chars)
+        prompts, texts, fim_stops = fim_prompts(body, tokenizer, max_chars)
     else:
         prompts, texts = completion_prompts(body, tokenizer, max_chars, special)
     call = Call(chat, [], texts, ignored=tuple(sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))),
@@ -285,7 +286,7 @@ def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
     if call.stream and best_of > call.n:
         raise BadRequest("best_of > n cannot stream: the best are known only at the end", "best_of")
     params = sampling_params(body, tokenizer.vocab_size)
-    stop = stop_of(body)
+    stop = stop_of(body, fim_stops)
     seed = get(body, "seed", "integer")
     if seed is not None and not 0 <= seed < 2 ** 64:
         raise BadRequest(f"seed must be in [0, 2**64), got {seed}", "seed")
@@ -308,9 +309,10 @@ def fim_tokens_of(tokenizer, param: str) -> FimTokens:
                          param) from None
 
 
-def fim_prompts(body: dict, tokenizer, max_chars: int) -> tuple[list[list[int]], list[str]]:
+def fim_prompts(body: dict, tokenizer, max_chars: int) -> tuple[list[list[int]], list[str], list[str]]:
     """/v1/completions with a suffix: each prompt (text) is the prefix of a fill-in-the-middle prompt (PSM, as
-    llama.cpp's /infill builds it), and the completion is the middle."""
+    llama.cpp's /infill builds it), and the completion is the middle. (prompts' ids, their texts, the FIM tokens'
+    names, which end a middle)."""
     suffix = body["suffix"]
     fim = fim_tokens_of(tokenizer, "suffix")
     if get(body, "echo", "boolean", False):
@@ -323,7 +325,7 @@ def fim_prompts(body: dict, tokenizer, max_chars: int) -> tuple[list[list[int]],
                          "text before the gap)", "prompt")
     for one in prompt:
         check_chars(one + suffix, max_chars, "prompt")
-    return [infill_prompt(tokenizer, fim, one, suffix) for one in prompt], list(prompt)
+    return [infill_prompt(tokenizer, fim, one, suffix) for one in prompt], list(prompt), fim.stops(tokenizer)
 
 
 def parse_json(raw: bytes):
@@ -444,11 +446,13 @@ def max_tokens_of(body: dict, chat: bool, prompt_tokens: int, max_len: int, echo
         raise BadRequest(str(e), name) from None
 
 
-def stop_of(body: dict) -> list[str]:
+def stop_of(body: dict, more: list[str] = ()) -> list[str]:
+    """The request's stop strings, and `more` of the server's own (fill-in-the-middle's) not already among them."""
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop must be a non-empty string or an array of non-empty strings", "stop")
+    stop = [*stop, *(s for s in more if s not in stop)]
     try:
         check_stop(stop)  # their number and length: the engine thread scans for them at every token
     except ValueError as e:

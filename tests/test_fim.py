@@ -33,7 +33,7 @@ def fim_tok():
 
 def test_fim_tokens_by_name_by_gguf_metadata_and_missing(smollm2_tokenizer):
     assert find_fim_tokens(toy_bpe(STARCODER)) == FimTokens(104, 105, 106, repo=108, file_sep=107)
-    assert find_fim_tokens(toy_bpe(QWEN)) == FimTokens(104, 106, 105, repo=108, file_sep=109)
+    assert find_fim_tokens(toy_bpe(QWEN)) == FimTokens(104, 106, 105, repo=108, file_sep=109, pad=107)
     # the ids a GGUF names win over names (here none of the known ones)
     meta = {"fim_pre_token_id": 105, "fim_suf_token_id": 104, "fim_mid_token_id": 106}
     assert find_fim_tokens(toy_bpe(("<a>", "<b>", "<c>"), **meta)) == FimTokens(105, 104, 106)
@@ -62,6 +62,7 @@ def test_completions_suffix(fim_tok, smollm2_tokenizer):
     fim = find_fim_tokens(tok)
     assert [r.prompt for r in call.requests] == [infill_prompt(tok, fim, p, "): pass") for p in ("def f(", "x")]
     assert call.texts == ["def f(", "x"] and call.requests[0].max_new_tokens == 3
+    assert list(call.requests[0].stop) == ["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<repo_name>", "<file_sep>"]
     assert parse_request({"prompt": "x", "suffix": ""}, False, tok, **LIMITS).requests[0].prompt == tok.encode("x")
     for body, param in [({"prompt": "x", "suffix": "y", "echo": True}, "echo"),
                         ({"prompt": [1, 2], "suffix": "y"}, "prompt"), ({"prompt": "x", "suffix": 3}, "suffix")]:
@@ -81,8 +82,8 @@ def test_parse_infill(fim_tok, smollm2_tokenizer):
     call, return_tokens = parse_infill(body, tok, **LIMITS)
     r = call.requests[0]
     assert r.prompt == infill_prompt(tok, find_fim_tokens(tok), "x = ", " + 1", [("a.py", "y")], "f(")
-    assert (r.max_new_tokens, r.seed, list(r.stop), call.ignored, return_tokens) == (5, None, ["\n"],
-                                                                                      ("cache_prompt",), False)
+    assert (r.max_new_tokens, r.seed, call.ignored, return_tokens) == (5, None, ("cache_prompt",), False)
+    assert list(r.stop) == ["\n", "<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<repo_name>", "<file_sep>"]
     p = r.params  # llama.cpp's defaults where the body says nothing
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) == (0.8, 0, 0.95, 0.05, 1.1)
     call, _ = parse_infill({"input_prefix": "x", "input_suffix": ""}, tok, **LIMITS)
@@ -135,27 +136,32 @@ def test_echo_with_max_tokens_0_alone_and_tokenize_shapes(smollm2_tokenizer):
 
 def test_infill_and_suffix_through_the_app(tiny, fim_tok):
     """The routes over a tiny random model with a FIM vocabulary: greedy /infill (whole and streamed) and
-    /v1/completions with a suffix generate the same tokens, which the engine computes over the PSM prompt."""
+    /v1/completions with a suffix generate the tokens the engine computes over the PSM prompt; a FIM token the
+    model writes ends the middle (this model writes <file_sep> first after "x = ")."""
     engine = Engine(tiny, fim_tok, EngineConfig(num_blocks=32, max_running=4, token_budget=64))
     app = make_app(engine, fim_tok, "m")
-    prompt = infill_prompt(fim_tok, find_fim_tokens(fim_tok), "x = ", " + 1")
-    want = engine.generate([prompt], max_new_tokens=6)[0]
+    fim = find_fim_tokens(fim_tok)
+    prompt = infill_prompt(fim_tok, fim, "def f(a): ", " # end")
+    want = engine.generate([prompt], max_new_tokens=6, stop=fim.stops(fim_tok))[0]
+    assert len(want.tokens) == 6 and want.finish_reason == "length"
 
     async def main():
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000",
                                          timeout=60) as c:
-                body = {"input_prefix": "x = ", "input_suffix": " + 1", "n_predict": 6, "temperature": 0,
+                body = {"input_prefix": "def f(a): ", "input_suffix": " # end", "n_predict": 6, "temperature": 0,
                         "return_tokens": True}
                 whole = (await c.post("/infill", json=body)).json()
                 streamed = await c.post("/infill", json={**body, "stream": True})
-                completion = (await c.post("/v1/completions", json={"prompt": "x = ", "suffix": " + 1",
+                completion = (await c.post("/v1/completions", json={"prompt": "def f(a): ", "suffix": " # end",
                                                                    "max_tokens": 6, "temperature": 0})).json()
-                return whole, streamed.text, completion
+                ended = (await c.post("/infill", json={**body, "input_prefix": "x = ", "input_suffix": " + 1"})).json()
+                return whole, streamed.text, completion, ended
 
-    whole, streamed, completion = asyncio.run(main())
+    whole, streamed, completion, ended = asyncio.run(main())
     assert whole["tokens"] == want.tokens and whole["content"] == want.text and whole["tokens_predicted"] == 6
-    assert whole["tokens_evaluated"] == len(prompt) and whole["stop_type"] in ("limit", "eos")
+    assert whole["tokens_evaluated"] == len(prompt) and whole["stop_type"] == "limit"
     lines = [json.loads(line.removeprefix("data: ")) for line in streamed.split("\n\n") if line]
     assert "".join(d["content"] for d in lines) == want.text and lines[-1]["stop"] and "[DONE]" not in streamed
     assert completion["choices"][0]["text"] == want.text and completion["usage"]["prompt_tokens"] == len(prompt)
+    assert (ended["tokens"], ended["content"], ended["stop_type"]) == ([fim.file_sep], "", "word")

@@ -18,8 +18,8 @@ from serving.protocol import error_body
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: its format, and --quiet silences it
 
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info",
-          "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/infill", "/v1/models", "/tokenize",
+          "/detokenize", "/tokenizer_info", "/health", "/metrics")
 
 
 OPEN_ROUTES = ("/health", "/metrics")

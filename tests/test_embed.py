@@ -82,3 +82,34 @@ def test_parse_embeddings_and_the_answer(smollm2_tokenizer):
     packed = embeddings_body(EmbeddingCall([[1, 2], [3]], base64=True, model="x"), vectors, "m")
     assert packed["model"] == "x"
     assert [list(struct.unpack("<3f", base64.b64decode(d["embedding"]))) for d in packed["data"]] == vectors
+
+
+def test_the_route_pools_as_serve_py_says(pair):
+    """serve.py --pooling reaches the app: /v1/embeddings over a tiny model answers embed(..., "last")'s vectors,
+    and a request while the engine thread serves a generation is answered too."""
+    import asyncio
+
+    import httpx
+
+    from serve import parse_args, serve_config
+    from serving.app import make_app
+
+    _, ours = pair
+    config = serve_config(parse_args(["--pooling", "last"]))
+    assert (config.pooling, serve_config(parse_args([])).pooling) == ("last", "mean")
+    tok = toy_bpe()
+    app = make_app(Engine(ours, tok, EngineConfig(num_blocks=32, max_running=4)), tok, "m", config=config)
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000",
+                                         timeout=60) as c:
+                generation = c.post("/v1/completions", json={"prompt": SEQS[0], "max_tokens": 8, "ignore_eos": True})
+                embedding = c.post("/v1/embeddings", json={"input": SEQS, "model": "x"})
+                return await asyncio.gather(generation, embedding)
+
+    generated, embedded = asyncio.run(main())
+    assert generated.status_code == 200 and generated.json()["usage"]["completion_tokens"] == 8
+    body = embedded.json()
+    assert [d["embedding"] for d in body["data"]] == embed(ours, SEQS, "last") and body["model"] == "x"
+    assert body["usage"] == {"prompt_tokens": 9, "total_tokens": 9}

@@ -50,8 +50,8 @@ def find_fim_tokens(tokenizer) -> FimTokens:
         found[role] = next((i for i in ids if i is not None), None)
     missing = [role for role in REQUIRED if found[role] is None]
     if missing:
-        raise ValueError("this model has no fill-in-the-middle tokens: its vocabulary lacks "
-                         + ", ".join(f"{role} ({' / '.join(NAMES[role][:2])})" for role in missing)
+        raise ValueError("this model has no fill-in-the-middle tokens (it was not trained for FIM): its vocabulary "
+                         "lacks " + ", ".join(f"{role} ({' / '.join(NAMES[role][:2])})" for role in missing)
                          + ", and its GGUF metadata names none (tokenizer.ggml.fim_pre_token_id, ...)")
     return FimTokens(**found)
 

@@ -305,8 +305,7 @@ def fim_tokens_of(tokenizer, param: str) -> FimTokens:
     try:
         return find_fim_tokens(tokenizer)
     except ValueError as e:
-        raise BadRequest(f"{param} needs fill-in-the-middle, which this model was not trained for: {e}",
-                         param) from None
+        raise BadRequest(f"{param} asks for fill-in-the-middle, but {e}", param) from None
 
 
 def fim_prompts(body: dict, tokenizer, max_chars: int) -> tuple[list[list[int]], list[str], list[str]]:

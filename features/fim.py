@@ -34,10 +34,11 @@ class FimTokens:
     pad: int | None = None
 
     def stops(self, tokenizer) -> list[str]:
-        """The FIM tokens' names, as stop strings: a middle ends there, as llama.cpp ends one at these tokens (any
+        """The FIM tokens' texts, as stop strings: a middle ends there, as llama.cpp ends one at these tokens (any
         of them after the middle starts another file or another gap), when the model writes no EOS first."""
         ids = (self.prefix, self.suffix, self.middle, self.repo, self.file_sep, self.pad)
-        return [tokenizer.backend.id_to_token(i) for i in ids if i is not None]
+        texts = [tokenizer.decode([i]).strip() for i in ids if i is not None]  # CodeLlama's "▁<MID>" reads " <MID>"
+        return [t for t in dict.fromkeys(texts) if t]
 
 
 def find_fim_tokens(tokenizer) -> FimTokens:

@@ -50,15 +50,20 @@ def parse_infill(body, tokenizer, *, max_len: int, max_chars: int) -> tuple[Call
     if room < 1:
         raise BadRequest(f"the infill prompt takes {len(ids)} tokens, which leaves no room in the context of "
                          f"{max_len}", "input_prefix")
-    sampling = {**DEFAULTS, **{k: v for k, v in body.items() if k in DEFAULTS or k in SAMPLED}}
-    sampling.update({new: body[old] for old, new in RENAMED.items() if old in body})
+    sampling = {**DEFAULTS, **{k: v for k, v in body.items() if (k in DEFAULTS or k in SAMPLED) and v is not None}}
+    sampling.update({new: body[old] for old, new in RENAMED.items() if body.get(old) is not None})
     seed = get(body, "seed", "integer")
     seed = None if seed is None or seed == -1 else seed  # llama.cpp's -1: a random seed
     if seed is not None and not 0 <= seed < 2 ** 64:
         raise BadRequest(f"seed must be -1 or in [0, 2**64), got {seed}", "seed")
     stream, _, _ = stream_of({"stream": body.get("stream")})
-    request = Request(ids, sampling_params(sampling, tokenizer.vocab_size),
-                      room if n_predict == -1 else min(n_predict, room), stop_of(body, fim.stops(tokenizer)), seed)
+    try:
+        params = sampling_params(sampling, tokenizer.vocab_size)
+    except BadRequest as e:  # named as llama.cpp names the field
+        old = next((old for old, new in RENAMED.items() if new == e.param), None)
+        raise (e if old is None else BadRequest(str(e).replace(e.param, old), old)) from None
+    request = Request(ids, params, room if n_predict == -1 else min(n_predict, room),
+                      stop_of(body, fim.stops(tokenizer)), seed)
     call = Call(False, [request], [""], stream=stream, ignored=tuple(sorted(set(body) - FIELDS)))
     return call, get(body, "return_tokens", "boolean", False)
 

@@ -86,10 +86,12 @@ def test_parse_infill(fim_tok, smollm2_tokenizer):
     assert list(r.stop) == ["\n", "<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<repo_name>", "<file_sep>"]
     p = r.params  # llama.cpp's defaults where the body says nothing
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) == (0.8, 0, 0.95, 0.05, 1.1)
-    call, _ = parse_infill({"input_prefix": "x", "input_suffix": ""}, tok, **LIMITS)
+    call, _ = parse_infill({"input_prefix": "x", "input_suffix": "", "temperature": None}, tok, **LIMITS)
+    assert call.requests[0].params.temperature == 0.8
     assert call.requests[0].max_new_tokens == LIMITS["max_len"] - len(call.requests[0].prompt)  # -1: to the end
     for bad, param in [({"input_prefix": "x"}, "input_suffix"), ({"input_suffix": ""}, "input_prefix"),
                        ({"input_prefix": "", "input_suffix": "", "n_predict": 0}, "n_predict"),
+                       ({"input_prefix": "", "input_suffix": "", "repeat_penalty": -1}, "repeat_penalty"),
                        ({"input_prefix": "", "input_suffix": "", "input_extra": [{"text": 1}]}, "input_extra")]:
         with pytest.raises(BadRequest) as e:
             parse_infill(bad, tok, **LIMITS)

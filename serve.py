@@ -2,8 +2,9 @@
 
     python serve.py          # the default offline model on http://127.0.0.1:8000
 
-POST /v1/completions and /v1/chat/completions (JSON, or with "stream": true server-sent events), GET /v1/models,
-/health and /metrics (Prometheus text format: request counts, engine gauges, TTFT and TPOT histograms).
+POST /v1/completions and /v1/chat/completions (JSON, or with "stream": true server-sent events), /v1/embeddings,
+llama.cpp's /infill, GET /v1/models, /health and /metrics (Prometheus text format: request counts, engine gauges,
+TTFT and TPOT histograms).
 
 This is the command: its flags, their checks, loading the model and running the app (serving/app.py: the routes,
 and Server, what they share) with uvicorn. `python serve.py` steps the engine (Engine.run_forever) on the main
@@ -43,6 +44,7 @@ import time
 from cli import (DTYPES, THREADS, THREADS_HELP, WEIGHTS_CACHE_HELP, Range, add_model_flags, chat_template_arg,
                  check_generation_config, check_ranges, generation_config, model_of, pick_device, pick_dtype, run_cli,
                  set_threads, version_line, weights_cache)
+from features.embed import POOLINGS
 from features.sinks import SinkWindow
 from features.toolcalls import FORMATS
 from serving.app import make_app
@@ -131,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
                    help="the syntax the model writes tool calls in (default: recognised from its chat template, else "
                    "hermes; see README, Tool calling)")
+    p.add_argument("--pooling", default=serving.pooling, choices=POOLINGS,
+                   help="how /v1/embeddings makes one vector of a text's final hidden states, L2-normalized "
+                   "(default mean: the average of every token's state, the usual choice for a language model "
+                   "without an embedding head, whose last state is shaped to predict the next token; last: the final "
+                   "token's, for models trained to embed that way, e.g. e5-mistral, gte-Qwen2)")
     p.add_argument("--threads", "-t", type=int, default=None, metavar="N", help=THREADS_HELP)
     p.add_argument("--weights-cache", default=None, metavar="DIR", help=WEIGHTS_CACHE_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
@@ -182,7 +189,8 @@ def serve_config(args: argparse.Namespace, sampling: dict[str, float | int] | No
                        max_connections=args.max_connections, special=args.prompt_special_tokens == "tokens",
                        max_model_len=args.max_model_len or None,
                        aliases=tuple(dict.fromkeys(args.served_model_name or []))[1:],
-                       tool_parser=args.tool_call_parser, sampling_defaults=tuple((sampling or {}).items()))
+                       tool_parser=args.tool_call_parser, sampling_defaults=tuple((sampling or {}).items()),
+                       pooling=args.pooling)
 
 
 def check_port(host: str, port: int) -> None:

@@ -11,6 +11,7 @@ import re
 import threading
 from functools import lru_cache
 
+from features.fim import GGUF_KEYS
 from formats.vocab import (NORMAL, byte_level_backend, read_sentencepiece_model, sentencepiece_backend,
                            sentencepiece_pipeline)
 
@@ -30,8 +31,9 @@ class Tokenizer:
     """Encode/decode with the model's BOS/EOS ids and chat template."""
 
     def __init__(self, backend, bos_id: int | None, eos_ids: list[int], add_bos: bool,
-                 chat_template: str | None = None, add_eos: bool = False):
+                 chat_template: str | None = None, add_eos: bool = False, fim_ids: dict[str, int] | None = None):
         self.backend = backend  # a tokenizers.Tokenizer
+        self.fim_ids = fim_ids or {}  # fill-in-the-middle tokens a GGUF names, by role (features/fim.py)
         self.bos_id = bos_id
         self.eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
         self.add_bos = add_bos and bos_id is not None
@@ -234,8 +236,10 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
     eos += [i for i, text in enumerate(tokens) if text in TURN_ENDS]
     # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise
     add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    fim = {role: meta.get(f"tokenizer.ggml.{key}_token_id") for role, key in GGUF_KEYS.items()}  # features/fim.py
+    fim = {role: i for role, i in fim.items() if isinstance(i, int) and 0 <= i < len(tokens)}
     return Tokenizer(backend, meta.get("tokenizer.ggml.bos_token_id"), eos, add_bos,
-                     meta.get("tokenizer.chat_template"), meta.get("tokenizer.ggml.add_eos_token", False))
+                     meta.get("tokenizer.chat_template"), meta.get("tokenizer.ggml.add_eos_token", False), fim)
 
 
 def _load_folder(path: str) -> Tokenizer:

@@ -11,6 +11,7 @@ whose client goes away is aborted (Server.release), so its KV blocks return to t
 """
 import asyncio
 import bisect
+import functools
 import logging
 import threading
 import time
@@ -27,14 +28,18 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from features.constraint import Constraint, Grammar
+from features.embed import embed
 from features.grammar import Compiler
 from features.reasoning import tags_named
 from serving import messages, responses
 from serving.answer import Answer
 from serving.contract import Event, Request
+from serving.embeddings import embeddings_body, parse_embeddings
 from serving.engine import Engine, QueueFull
 from serving.gate import Gate, GateState, QuietLoopErrors, ServeConfig, error
-from serving.protocol import BadRequest, Call, longest_token, parse_body, parse_detokenize, parse_json, parse_tokenize
+from serving.llamacpp import InfillAnswer, parse_infill
+from serving.protocol import (BadRequest, Call, longest_token, parse_body, parse_detokenize, parse_json, parse_tokenize,
+                              tokenize_answer)
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)  # seconds
@@ -198,6 +203,7 @@ class Server:
         """Enter `state` ("closing" or "failed") and wake every request waiting for events: each ends with Failed
         (see events())."""
         self.gate.phase, self.gate.why = state, why
+        self.engine.fail_jobs(why)  # the embeddings waiting for the engine
         for queue in list(self.open):
             queue.put_nowait((time.perf_counter(), None, None))
 
@@ -322,10 +328,21 @@ CHAT = Api(lambda server, raw: parse_body(raw, True, server.tokenizer, **server.
 MESSAGES = Api(lambda server, raw: messages.parse_messages(raw, server.tokenizer, **server.limits()),
                lambda server, call: messages.MessagesAnswer(call, server.tokenizer, server.answering(call.model)),
                anthropic_error)
+INFILL = Api(lambda server, raw: infill_call(server, raw),  # llama.cpp's /infill
+             lambda server, call: InfillAnswer(call, server.tokenizer, server.answering(call.model),
+                                               call.context["return_tokens"]))
 RESPONSES = Api(lambda server, raw: responses.parse_responses(raw, server.tokenizer, server.responses,
                                                               **server.limits()),
                 lambda server, call: responses.ResponsesAnswer(call, server.tokenizer, server.answering(call.model),
                                                                server.responses))
+
+
+def infill_call(server: Server, raw: bytes) -> Call:
+    """llama.cpp's POST /infill body -> its Call (return_tokens in its context, for the answer)."""
+    call, return_tokens = parse_infill(parse_json(raw), server.tokenizer, max_len=server.max_len,
+                                       max_chars=server.max_chars)
+    call.context["return_tokens"] = return_tokens
+    return call
 
 
 async def admit_call(server: Server, http: HTTPRequest, api: Api) -> tuple[Call, list[int], asyncio.Queue] | Response:
@@ -350,14 +367,19 @@ async def admit_call(server: Server, http: HTTPRequest, api: Api) -> tuple[Call,
 
 
 async def generation(server: Server, http: HTTPRequest, api: Api) -> Response:
-    """A generation endpoint: POST /v1/completions, /v1/chat/completions, /v1/messages, /v1/responses."""
+    """A generation endpoint: POST /v1/completions, /v1/chat/completions, /v1/messages, /v1/responses, /infill."""
     t0 = time.perf_counter()
     admitted = await admit_call(server, http, api)
     if isinstance(admitted, Response):
         return admitted
-    call, ids, queue = admitted
-    answer, choices = api.answer(server, call), len(call.requests) * call.n
+    return await respond(server, http, api, admitted, api.answer(server, admitted[0]), t0)
 
+
+async def respond(server: Server, http: HTTPRequest, api: Api, admitted: tuple, answer, t0: float) -> Response:
+    """The answer to an admitted call (call, engine ids, event queue) from its events: the body, or the stream.
+    answer: answer.Answer's interface (opening, add, closing, body, error_event, done)."""
+    call, ids, queue = admitted
+    choices = len(call.requests) * call.n
     if not call.stream:
         watcher = asyncio.create_task(abort_on_disconnect(http.receive, server, queue))
         try:
@@ -418,6 +440,7 @@ def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = T
         return error(e.status_code, str(e.detail))
 
     add_generation_routes(app, server)
+    add_embedding_routes(app, server)
     add_model_routes(app, server)
     add_tokenizer_routes(app, server)
     add_status_routes(app, server)
@@ -425,7 +448,7 @@ def make_app(engine: Engine, tokenizer, model_name: str, engine_thread: bool = T
 
 
 def add_generation_routes(app: FastAPI, server: Server) -> None:
-    """POST /v1/completions and /v1/chat/completions."""
+    """POST /v1/completions, /v1/chat/completions and llama.cpp's /infill."""
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest) -> Response:
         return await generation(server, http, COMPLETIONS)
@@ -463,6 +486,40 @@ def add_generation_routes(app: FastAPI, server: Server) -> None:
             return anthropic_error(400, str(e))
         return JSONResponse({"input_tokens": n})
 
+    @app.post("/infill")
+    async def infill_route(http: HTTPRequest) -> Response:
+        return await generation(server, http, INFILL)
+
+
+def add_embedding_routes(app: FastAPI, server: Server) -> None:
+    """POST /v1/embeddings: each input's vector from its own forward, run as an engine job (Engine.run_job: the
+    engine's thread owns the model), pooled as config.pooling says."""
+    model = server.engine.model
+
+    @app.post("/v1/embeddings")
+    async def embeddings(http: HTTPRequest) -> Response:
+        try:
+            body = parse_json(await http.body())
+            call = await asyncio.to_thread(parse_embeddings, body, server.tokenizer, max_len=server.max_len,
+                                           max_chars=server.max_chars, dim=model.args.dim,
+                                           special=server.config.special)
+        except BadRequest as e:
+            return error(400, str(e), param=e.param)
+        if call.ignored:
+            log.warning(f"{http.url.path}: ignoring unknown fields {', '.join(f[:40] for f in call.ignored[:10])}")
+        if server.gate.phase in ("closing", "failed"):
+            return error(503, server.gate.why, "server_error")
+        jobs = [server.engine.run_job(functools.partial(embed, model, [ids], server.config.pooling))
+                for ids in call.inputs]
+        try:
+            vectors = [v for job in jobs for v in await asyncio.wrap_future(job)]
+        except Exception as e:  # the engine stopped (fail_jobs: RuntimeError) or the forward failed
+            return error(503 if server.gate.phase == "closing" else 500, str(e), "server_error")
+        finally:
+            for job in jobs:  # those not started yet, when this handler ends early (its client went away)
+                job.cancel()
+        return JSONResponse(embeddings_body(call, vectors, server.model_name))
+
 
 def add_model_routes(app: FastAPI, server: Server) -> None:
     """GET /v1/models and /v1/models/{name}: the one model, under each of its names."""
@@ -491,9 +548,9 @@ def add_tokenizer_routes(app: FastAPI, server: Server) -> None:
         try:
             body = parse_json(await http.body())
             ids = await asyncio.to_thread(parse_tokenize, body, tokenizer, server.max_chars)
+            return JSONResponse(tokenize_answer(body, ids, tokenizer, server.max_len))
         except BadRequest as e:
             return error(400, str(e), param=e.param)
-        return JSONResponse({"count": len(ids), "max_model_len": server.max_len, "tokens": ids, "token_strs": None})
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:  # vLLM's: what lm-eval's tokenizer_backend=remote reads

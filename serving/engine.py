@@ -14,6 +14,8 @@ Every step() is one iteration, inbox -> schedule -> forward -> sample -> emit:
      finishes frees its blocks at once, so the next step can admit a waiting one (continuous, iteration-level
      batching);
   5. emit: hand the step's Events (text, tokens, logprobs) to the requests' callbacks.
+Work that uses the model outside the KV cache (an embedding's forward) is a job (run_job): the step runs the oldest
+one first, on this thread, so no two threads ever run the model at once.
 
 The KV memory (blocks of block_size positions, kvcache.BlockPool) and the prefix cache are scheduler.BlockManager's;
 a request's choices, their sampling state and the events they send are choices.py's; Request and Event are
@@ -23,7 +25,9 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -95,6 +99,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks)
         self.inbox: queue.SimpleQueue[Choice] = queue.SimpleQueue()  # submitted, from any thread
         self.aborts: queue.SimpleQueue[int] = queue.SimpleQueue()  # request ids, from any thread
+        self.jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()  # see run_job
         self.lock = threading.Lock()  # makes submit()'s queue-length check and its put one step
         self.wake = threading.Condition(self.lock)
         self.ids = itertools.count()
@@ -120,6 +125,23 @@ class Engine:
             self.aborts.put(request_id)
             self.wake.notify()
 
+    def run_job(self, fn: Callable[[], Any]) -> Future:
+        """Run fn() on the engine's thread at the start of a step, one job a step (so a long run of jobs delays
+        each step's decodes by one job's time, not all of theirs); its result or exception comes in the Future. A
+        job cancelled before it starts is skipped."""
+        future = Future()
+        with self.lock:
+            self.jobs.put((fn, future))
+            self.wake.notify()
+        return future
+
+    def fail_jobs(self, why: str) -> None:
+        """End every job not yet run with RuntimeError(why): the engine stops, or died."""
+        while not self.jobs.empty():
+            _, future = self.jobs.get()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError(why))
+
     def queued(self) -> int:
         """Sequences submitted or preempted, not yet (re)admitted."""
         return self.inbox.qsize() + len(self.scheduler.waiting)
@@ -129,7 +151,7 @@ class Engine:
         while not stop.is_set():
             if not self.step():
                 with self.lock:
-                    if self.inbox.empty() and self.aborts.empty() and not stop.is_set():
+                    if self.inbox.empty() and self.aborts.empty() and self.jobs.empty() and not stop.is_set():
                         self.wake.wait(timeout=0.5)
 
     def stop_waiting(self) -> None:
@@ -149,13 +171,14 @@ class Engine:
         return self.outputs.finished
 
     def has_work(self) -> bool:
-        return bool(self.outputs.groups or not self.inbox.empty() or not self.aborts.empty())
+        return bool(self.outputs.groups or not self.inbox.empty() or not self.aborts.empty() or not self.jobs.empty())
 
     # ---- the engine thread ----
 
     @torch.inference_mode()
     def step(self) -> bool:
-        """One iteration: inbox -> schedule -> forward -> sample -> emit. True while work remains."""
+        """One iteration: (a job) -> inbox -> schedule -> forward -> sample -> emit. True while work remains."""
+        self._run_job()
         self._take_inbox()
         decodes, chunks = self.scheduler.schedule()
         for seq, logits in self._forward(decodes, chunks):
@@ -163,6 +186,16 @@ class Engine:
         for request_id in self.outputs.emit():  # a callback raised: its request is aborted, the engine serves on
             self.abort(request_id)
         return self.has_work()
+
+    def _run_job(self) -> None:
+        if self.jobs.empty():
+            return
+        fn, future = self.jobs.get()
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except Exception as e:  # the job's own failure, for its caller; the engine serves on
+                future.set_exception(e)
 
     def _take_inbox(self) -> None:
         with self.lock:  # a submitted sequence is counted in the inbox or in the waiting queue, never in neither

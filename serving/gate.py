@@ -19,8 +19,8 @@ from serving.protocol import error_body
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: its format, and --quiet silences it
 
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info",
-          "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/infill", "/v1/models", "/tokenize",
+          "/detokenize", "/tokenizer_info", "/health", "/metrics")
 
 
 OPEN_ROUTES = ("/health", "/metrics")
@@ -64,6 +64,7 @@ class ServeConfig:
     aliases: tuple[str, ...] = ()  # names served besides the model's (serve.py --served-model-name's others)
     sampling_defaults: tuple[tuple[str, float], ...] = ()  # (field, value): generation_config.json's, for requests
     # that leave the field out (serve.py --generation-config)
+    pooling: str = "mean"  # how /v1/embeddings pools the final hidden states (features/embed.py POOLINGS)
     shutdown_timeout_s: float = 20.0  # grace for running requests on SIGTERM; under Kubernetes' 30 s to SIGKILL
 
 

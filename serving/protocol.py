@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from features.constraint import Constraint, Grammar
 from features.reasoning import Tags, opens_thinking
+from features.fim import FimTokens, find_fim_tokens, infill_prompt
 from features.tools import ToolRequest, field_of, tool_request
 from params import SamplingParams, check_logit_bias, fit_new_tokens
 from serving.contract import Request
@@ -29,9 +30,6 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprob
                                "parallel_tool_calls", "chat_template_kwargs"}
 # The variables a chat template is rendered with by the server: chat_template_kwargs may not replace them
 TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
-# Fields whose meaning is not served: refused unless absent, null or the value that asks nothing. (Ignoring them
-# would answer something else than what was asked.)
-ONLY = {"suffix": ""}
 # Not served: the deprecated functions/function_call (tools replace them); on completions, tool calling.
 NOT_SERVED = ("functions", "function_call")
 JSON_KINDS = {"number": (int, float), "integer": (int,), "string": (str,), "boolean": (bool,), "object": (dict,),
@@ -289,17 +287,16 @@ def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
         if body.get(name) is not None:
             raise BadRequest(f"{name} is not served on {'this endpoint' if name.startswith('tool') else 'this server'}"
                              f" ({'/v1/chat/completions serves' if name.startswith('tool') else 'use'} tools)", name)
-    for name, only in ONLY.items():
-        if body.get(name) is not None and body[name] != only:
-            raise BadRequest(f"{name}={json.dumps(body[name])[:50]} is not supported; leave it out or pass "
-                             f"{json.dumps(only)}", name)
     model = get(body, "model", "string")
     get(body, "user", "string")
     tools = tools_of(body, tokenizer, tool_parser) if chat else None
+    fim_stops = []  # with a suffix, the FIM tokens end the middle
     rendered = ""
     if chat:
         prompt, rendered = chat_prompt(body, tokenizer, max_chars, tools)
         prompts, texts = [prompt], [""]
+    elif get(body, "suffix", "string"):  # "" asks for no suffix (some clients send it)
+        prompts, texts, fim_stops = fim_prompts(body, tokenizer, max_chars)
     else:
         prompts, texts = completion_prompts(body, tokenizer, max_chars, special)
     call = Call(chat, [], texts, ignored=tuple(sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))),
@@ -317,16 +314,17 @@ def parse_request(body, chat: bool, tokenizer, *, max_len: int, max_chars: int,
     if call.stream and best_of > call.n:
         raise BadRequest("best_of > n cannot stream: the best are known only at the end", "best_of")
     params = sampling_params(body, tokenizer.vocab_size, sampling_defaults)
-    stop = stop_of(body)
+    stop = stop_of(body, fim_stops)
     seed = get(body, "seed", "integer")
     if seed is not None and not 0 <= seed < 2 ** 64:
         raise BadRequest(f"seed must be in [0, 2**64), got {seed}", "seed")
     grammar = grammar_of(body, compile_grammar, tools)
-    echo_logprobs = call.logprobs if call.echo else None
     for prompt in prompts:
-        call.requests.append(Request(prompt, params, max_tokens_of(body, chat, len(prompt), max_len, call.echo),
-                                     stop, seed, grammar=grammar, n=call.n, best_of=best_of,
-                                     logprobs=call.logprobs, prompt_logprobs=echo_logprobs))
+        max_tokens = max_tokens_of(body, chat, len(prompt), max_len, call.echo)
+        # echo's prompt logprobs when asked; echo of max_tokens 0 alone runs the prefill only, which asks for them
+        echo_logprobs = None if not call.echo else call.logprobs if call.logprobs is not None or max_tokens else 0
+        call.requests.append(Request(prompt, params, max_tokens, stop, seed, grammar=grammar, n=call.n,
+                                     best_of=best_of, logprobs=call.logprobs, prompt_logprobs=echo_logprobs))
     return call
 
 
@@ -344,6 +342,33 @@ def parse_capped(chat: dict, name: str, tokenizer, **limits) -> Call:
     for request in call.requests:
         request.max_new_tokens = min(request.max_new_tokens, cap or request.max_new_tokens)
     return call
+
+
+def fim_tokens_of(tokenizer, param: str) -> FimTokens:
+    """The model's fill-in-the-middle tokens; BadRequest naming `param` for a model without them."""
+    try:
+        return find_fim_tokens(tokenizer)
+    except ValueError as e:
+        raise BadRequest(f"{param} asks for fill-in-the-middle, but {e}", param) from None
+
+
+def fim_prompts(body: dict, tokenizer, max_chars: int) -> tuple[list[list[int]], list[str], list[str]]:
+    """/v1/completions with a suffix: each prompt (text) is the prefix of a fill-in-the-middle prompt (PSM, as
+    llama.cpp's /infill builds it), and the completion is the middle. (prompts' ids, their texts, the FIM tokens'
+    names, which end a middle)."""
+    suffix = body["suffix"]
+    fim = fim_tokens_of(tokenizer, "suffix")
+    if get(body, "echo", "boolean", False):
+        raise BadRequest("echo cannot be combined with suffix", "echo")
+    prompt = body.get("prompt")
+    prompt = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompt, list) or not prompt or len(prompt) > MAX_CHOICES or \
+            not all(isinstance(p, str) for p in prompt):
+        raise BadRequest(f"with a suffix, prompt must be a string or an array of up to {MAX_CHOICES} strings (the "
+                         "text before the gap)", "prompt")
+    for one in prompt:
+        check_chars(one + suffix, max_chars, "prompt")
+    return [infill_prompt(tokenizer, fim, one, suffix) for one in prompt], list(prompt), fim.stops(tokenizer)
 
 
 def parse_json(raw: bytes):
@@ -370,18 +395,42 @@ def parse_body(raw: bytes, chat: bool, tokenizer, **limits) -> Call:
 
 
 def parse_tokenize(body, tokenizer, max_chars: int) -> list[int]:
-    """POST /tokenize (vLLM's shape): {"prompt": text, "add_special_tokens": true} or {"messages": [...]} -> ids.
-    add_special_tokens: the tokenizer's BOS first (special tokens' names are those tokens either way, as in a
-    completions prompt); messages are rendered with the chat template, as a chat request's prompt."""
-    if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
-        raise BadRequest("the request must be an object with a prompt (a string) or messages (an array)")
-    if "messages" in body:
+    """POST /tokenize: vLLM's {"prompt": text, "add_special_tokens": true} or {"messages": [...]}, or llama.cpp's
+    {"content": text, "add_special": false} -> ids. add_special(_tokens): the tokenizer's BOS first (special tokens'
+    names are those tokens either way, as in a completions prompt); messages are rendered with the chat template,
+    as a chat request's prompt."""
+    given = [name for name in ("prompt", "messages", "content") if name in body] if isinstance(body, dict) else []
+    if len(given) != 1:
+        raise BadRequest("the request must be an object with one of prompt (a string), messages (an array) or "
+                         "content (a string)")
+    if given[0] == "messages":
         return chat_prompt(body, tokenizer, max_chars)[0]
-    prompt = get(body, "prompt", "string")
-    if prompt is None:
-        raise BadRequest("prompt must be a string", "prompt")
-    check_chars(prompt, max_chars, "prompt")
-    return tokenizer.encode(prompt, bos=None if get(body, "add_special_tokens", "boolean", True) else False)
+    text = get(body, given[0], "string")
+    if text is None:
+        raise BadRequest(f"{given[0]} must be a string", given[0])
+    check_chars(text, max_chars, given[0])
+    if given[0] == "prompt":
+        bos = get(body, "add_special_tokens", "boolean", True)
+    else:  # llama.cpp's default: no BOS
+        bos = get(body, "add_special", "boolean", False)
+    return tokenizer.encode(text, bos=None if bos else False)
+
+
+def tokenize_answer(body: dict, ids: list[int], tokenizer, max_len: int) -> dict:
+    """/tokenize's answer: vLLM's {count, max_model_len, tokens, token_strs} (token_strs: the vocabulary's
+    strings with return_token_strs); llama.cpp's with_pieces makes each token {id, piece}, the piece its text (or
+    its bytes, for part of a character)."""
+    strs = [tokenizer.backend.id_to_token(i) for i in ids] if get(body, "return_token_strs", "boolean") else None
+    tokens = ids
+    if get(body, "with_pieces", "boolean", False):
+        tokens = []
+        for i in ids:
+            raw = tokenizer.token_bytes(i)
+            try:
+                tokens.append({"id": i, "piece": raw.decode("utf-8")})
+            except UnicodeDecodeError:
+                tokens.append({"id": i, "piece": list(raw)})
+    return {"count": len(ids), "max_model_len": max_len, "tokens": tokens, "token_strs": strs}
 
 
 def parse_detokenize(body, tokenizer) -> str:
@@ -425,8 +474,8 @@ def stream_of(body: dict) -> tuple[bool, bool, bool]:
 
 
 def max_tokens_of(body: dict, chat: bool, prompt_tokens: int, max_len: int, echo: bool) -> int:
-    """The tokens a prompt may generate: max_tokens (chat: or max_completion_tokens), 0 only with echo (the prompt's
-    logprobs alone, as lm-eval asks for them)."""
+    """The tokens a prompt may generate: max_tokens (chat: or max_completion_tokens), 0 only with echo (the prompt
+    alone, with its logprobs when asked: lm-eval's loglikelihood)."""
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     asked = get(body, name, "integer")
     if asked is not None and asked < (0 if echo else 1):
@@ -440,11 +489,13 @@ def max_tokens_of(body: dict, chat: bool, prompt_tokens: int, max_len: int, echo
         raise BadRequest(str(e), name) from None
 
 
-def stop_of(body: dict) -> list[str]:
+def stop_of(body: dict, more: list[str] = ()) -> list[str]:
+    """The request's stop strings, and `more` of the server's own (fill-in-the-middle's) not already among them."""
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop must be a non-empty string or an array of non-empty strings", "stop")
+    stop = [*stop, *(s for s in more if s not in stop)]
     try:
         check_stop(stop)  # their number and length: the engine thread scans for them at every token
     except ValueError as e:

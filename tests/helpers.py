@@ -63,13 +63,17 @@ def byte_level_char(b: int) -> str:
     return {v: k for k, v in byte_level_table().items()}[b]
 
 
-def toy_bpe():
-    """A byte-level BPE tokenizer of printable ASCII and a few merges (103 ids), EOS id 0, as a GGUF embeds one."""
+def toy_bpe(specials: tuple[str, ...] = (), **meta):
+    """A byte-level BPE tokenizer of printable ASCII and a few merges (104 ids), EOS id 0, as a GGUF embeds one;
+    specials: control tokens after them (ids 104, ...); meta: more `tokenizer.ggml.*` metadata (key without the
+    prefix)."""
     from tokenizer import tokenizer_from_gguf_metadata
 
     chars = [byte_level_char(b) for b in range(32, 127)]
     merges = ['{ "', '" :', "Ġ \"", '" ,', "t r", "tr u", "tru e", "1 2"]
-    tokens = ["<|end|>", *chars, *(m.replace(" ", "") for m in merges)]
+    tokens = ["<|end|>", *chars, *(m.replace(" ", "") for m in merges), *specials]
+    types = [3] + [1] * (len(tokens) - 1 - len(specials)) + [3] * len(specials)
     return tokenizer_from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
                                          "tokenizer.ggml.merges": merges, "tokenizer.ggml.eos_token_id": 0,
-                                         "tokenizer.ggml.token_type": [3] + [1] * (len(tokens) - 1)})
+                                         "tokenizer.ggml.token_type": types,
+                                         **{f"tokenizer.ggml.{k}": v for k, v in meta.items()}})

@@ -3,9 +3,11 @@
 prompts, n and best_of, logit_bias, min_tokens / ignore_eos, continuous usage, unknown fields, models.retrieve,
 /tokenize and /detokenize. Each answer is checked against the in-process model."""
 import asyncio
+import base64
 import importlib
 import math
 import os
+import struct
 
 import openai
 import pytest
@@ -215,6 +217,59 @@ def test_continuous_usage_unknown_fields_models_and_tokenizer_routes(reference):
     assert ids["tokens"] == tok.encode(PROMPT) and ids["count"] == len(ids["tokens"])
     assert text == {"prompt": PROMPT}
     assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+
+
+def test_embeddings_with_the_openai_client(reference):
+    """client.embeddings.create, float and base64 (what the SDK asks for by default, and decodes; asked for by the
+    caller, left encoded): one unit-norm vector per input, equal to the mean of the model's final hidden states
+    computed here, identical inputs identical, usage counted."""
+    from features.embed import hidden_states
+
+    model, tok = reference
+    texts = ["The capital of France is Paris.", "def add(a, b): return a + b", "The capital of France is Paris."]
+
+    async def fn(c, h):
+        floats = await c.embeddings.create(model="asked", input=texts, encoding_format="float")
+        default = await c.embeddings.create(model="m", input=texts[:2])
+        packed = await c.embeddings.create(model="m", input=texts[:2], encoding_format="base64")
+        ids = await c.embeddings.create(model="m", input=[tok.encode(texts[1])])
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.embeddings.create(model="m", input="x", dimensions=7)
+        return floats, default, packed, ids, e.value
+
+    floats, default, packed, ids, refused = call(reference, fn)
+    got = torch.tensor([d.embedding for d in floats.data])  # (3, C)
+    want = torch.nn.functional.normalize(torch.stack([hidden_states(model, tok.encode(t)).mean(0) for t in texts]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got.shape == (3, model.args.dim) and torch.equal(got[0], got[2]) and got.isfinite().all()
+    assert floats.model == "asked" and [d.index for d in floats.data] == [0, 1, 2]
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(len(tok.encode(t)) for t in texts)
+    assert [d.embedding for d in default.data] == [d.embedding for d in floats.data[:2]]
+    decoded = [struct.unpack(f"<{model.args.dim}f", base64.b64decode(d.embedding)) for d in packed.data]
+    assert decoded == [tuple(d.embedding) for d in floats.data[:2]]
+    assert ids.data[0].embedding == floats.data[1].embedding
+    assert refused.status_code == 400 and "dimensions" in refused.message
+
+
+def test_fim_on_smollm2_is_a_clear_400_and_echo_alone(reference):
+    """SmolLM2-135M's vocabulary has no FIM tokens (<file_sep> and <repo_name> only): suffix and /infill are
+    refused naming them. echo with max_tokens 0 and no logprobs answers the prompt; /tokenize takes llama.cpp's
+    content shape."""
+    model, tok = reference
+
+    async def fn(c, h):
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model="m", prompt="def add(a, b):\n    return ", suffix="\n", max_tokens=8)
+        infill = await h.post("/infill", json={"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n"})
+        echo = await c.completions.create(model="m", prompt=PROMPT, echo=True, max_tokens=0)
+        pieces = (await h.post("/tokenize", json={"content": PROMPT, "with_pieces": True})).json()
+        return e.value, infill, echo, pieces
+
+    refused, infill, echo, pieces = call(reference, fn)
+    assert refused.status_code == 400 and "<fim_prefix>" in refused.message and refused.param == "suffix"
+    assert infill.status_code == 400 and infill.json()["error"]["param"] == "input_prefix"
+    assert echo.choices[0].text == PROMPT and echo.usage.completion_tokens == 0
+    assert "".join(p["piece"] for p in pieces["tokens"]) == PROMPT
 
 
 # ---- lm-evaluation-harness against a real HTTP server ----

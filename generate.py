@@ -40,6 +40,7 @@ from decode import UNBOUNDED, Session, check_request, generate, generate_batch
 from features.chat import Output, chat, chat_tokens, load_tools, step_label
 from features.constraint import Constraint, check_constraint, json_schema_arg
 from features.grammar import Compiler
+from features.reasoning import PARSERS, tags_named
 from features.sinks import SinkWindow
 from features.tools import ToolRequest
 from load import load_model, resolve_model_path
@@ -105,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-choice", default=None, metavar="CHOICE", help="auto (default), none, required or a name")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="the model's call syntax (default: from the chat template, else hermes)")
+    g = p.add_argument_group("reasoning (Qwen3, DeepSeek-R1: a <think> block before the answer)")
+    g.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *PARSERS],
+                   help="with --chat: how the reasoning block is found (default auto: when the chat template writes "
+                   "<think>...</think>; think: always; none: the block is part of the answer)")
+    g.add_argument("--hide-thinking", action="store_true",
+                   help="with --chat: do not print the reasoning (default: on stderr, apart from the answer)")
     g = p.add_argument_group("model and runtime")
     add_model_flags(g)
     add_device_flags(g)
@@ -421,7 +428,9 @@ def run(args: argparse.Namespace) -> None:
     setup = setup_summary(plan, args, model, shard, context, from_config, constraint, tools)
     where = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
     out = Output(tokenizer, args.stop, args.json, args.logprobs, args.quiet, tools,
-                 lambda: f"{where} | {step_label(step, args.compile, args.compile_prefill)}{setup}")
+                 lambda: f"{where} | {step_label(step, args.compile, args.compile_prefill)}{setup}",
+                 reasoning=tags_named(args.reasoning_parser, tokenizer.chat_template) if args.chat else None,
+                 show_thinking=not args.hide_thinking)
     run_one = dict(model=model, params=params, generator=generator, stop_ids=tokenizer.eos_ids, step=step,
                    logprobs=args.logprobs, grammar=grammar)
     if args.interactive:

@@ -45,6 +45,7 @@ from cli import (DTYPES, THREADS, THREADS_HELP, WEIGHTS_CACHE_HELP, Range, add_m
                  check_generation_config, check_ranges, generation_config, model_of, pick_device, pick_dtype, run_cli,
                  set_threads, version_line, weights_cache)
 from features.embed import POOLINGS
+from features.reasoning import PARSERS
 from features.sinks import SinkWindow
 from features.toolcalls import FORMATS
 from serving.app import make_app
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
                    help="the syntax the model writes tool calls in (default: recognised from its chat template, else "
                    "hermes; see README, Tool calling)")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *PARSERS],
+                   help="how a reasoning block is split out of chat, Messages and Responses answers (default auto: "
+                   "<think>...</think> when the chat template writes it; think: always; none: never)")
     p.add_argument("--pooling", default=serving.pooling, choices=POOLINGS,
                    help="how /v1/embeddings makes one vector of a text's final hidden states, L2-normalized "
                    "(default mean: the average of every token's state, the usual choice for a language model "
@@ -190,7 +194,7 @@ def serve_config(args: argparse.Namespace, sampling: dict[str, float | int] | No
                        max_model_len=args.max_model_len or None,
                        aliases=tuple(dict.fromkeys(args.served_model_name or []))[1:],
                        tool_parser=args.tool_call_parser, sampling_defaults=tuple((sampling or {}).items()),
-                       pooling=args.pooling)
+                       pooling=args.pooling, reasoning_parser=args.reasoning_parser)
 
 
 def check_port(host: str, port: int) -> None:

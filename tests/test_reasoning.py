@@ -106,3 +106,24 @@ def test_chat_answers_carry_reasoning_content_apart(smollm2_tokenizer):
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Greeting."
     assert "".join(d.get("content", "") for d in deltas) == "Hello!"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_generate_prints_the_thinking_apart_or_hides_it(smollm2_tokenizer, capsys):
+    """generate.py --chat's Output: the answer on stdout, the thinking on stderr (--hide-thinking: nowhere); with
+    --json both in the object."""
+    from features.chat import Output
+    from params import Token
+
+    tok = smollm2_tokenizer
+    ids = tok.encode("<think>Greet back.</think>\n\nHello there!", bos=False)
+    for show, as_json in [(True, False), (False, False), (True, True)]:
+        out = Output(tok, quiet=True, as_json=as_json, reasoning=Tags(), show_thinking=show)
+        c, content, calls = out.reply(iter([Token(i, 0.0, []) for i in ids]), prompt_tokens=3)
+        printed = capsys.readouterr()
+        assert (content, calls, c.text) == ("Hello there!", [], tok.decode(ids))
+        if as_json:
+            answer = json.loads(printed.out)
+            assert (answer["content"], answer["reasoning"]) == ("Hello there!", "Greet back.")
+        else:
+            assert printed.out == "Hello there!\n"
+            assert printed.err == ("Greet back." if show else "")

@@ -125,6 +125,9 @@ class Reader:
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
         """The deltas of the next piece of text (final: the choice ended; whatever was held back comes out)."""
+        if self.plain:  # every chat answer without tools or reasoning: nothing to read out
+            self.content += text
+            return [{"content": text}] if text else []
         pieces = self.thinking.feed(text, final) if self.thinking is not None else [("content", text)]
         deltas = []
         for kind, piece in pieces:

@@ -8,11 +8,15 @@ chat template's text or by name. One ToolRequest per request holds the checked t
 - constraint: an llguidance Lark grammar (grammar.py) the output must follow. Named or "required": only calls,
   whose arguments are valid under the function's JSON Schema, by construction whatever the model. "auto": any text,
   and once the format's opening appears (a lazy lexeme triggered by it), a valid call. "none": text that never
-  opens a call;
+  opens a call. One call unless parallel calls are allowed (by default where the template renders several), and
+  after the calls the end. constraint_with(a response format): the same, the text answer in that format;
+- grammar(compiled): the compiled constraint whose matchers, with parallel calls, end the output at a call that
+  repeats an earlier one (RepeatGuard);
 - parser(): a toolcalls.CallParser, fed the text as it streams, giving OpenAI's `delta` objects (content,
   tool_calls); parse(text): the same for a whole output.
-A server calls tool_request (ValueError: a 400 whose param is field_of(error)), render, encode_chat, constraint,
-then parser() (merge_deltas: one chunk per run) or parse(), and answers with message() and tool_calls_reason().
+A server calls tool_request (ValueError: a 400 whose param is field_of(error)), render, encode_chat, constraint (or
+constraint_with), grammar, then parser() (merge_deltas: one chunk per run) or parse(), and answers with message()
+and tool_calls_reason().
 """
 import json
 import re

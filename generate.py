@@ -425,6 +425,7 @@ def run(args: argparse.Namespace) -> None:
     step = Step(model, args.compile, args.compile_prefill, args.deterministic, n_new, pay_as_you_go=args.interactive)
     constraint = plan.constraint or (tools.constraint if tools is not None else None)
     grammar = None if constraint is None else Compiler(tokenizer, model.args.vocab_size).compile(constraint)
+    grammar = grammar if tools is None or grammar is None else tools.grammar(grammar)  # a repeated call ends it
     setup = setup_summary(plan, args, model, shard, context, from_config, constraint, tools)
     where = f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why})"
     out = Output(tokenizer, args.stop, args.json, args.logprobs, args.quiet, tools,

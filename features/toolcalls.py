@@ -84,7 +84,11 @@ class CallParser:
     type, name once its name and arguments' "{" are read, then its arguments' JSON in fragments as they come).
 
     A call is committed at that point: cut short after it (max_tokens), it stays a call with its arguments as far
-    as they came. Text that opens a call but is none is content, as written. fmt None: all text is content."""
+    as they came. Text that opens a call but is none is content, as written. fmt None: all text is content.
+
+    A call of a function an earlier call named is held until its object ends: if it repeats an earlier call (same
+    name and arguments) it is dropped and the output ends there (`repeated`; the rest is ignored), as a model caught
+    in a loop would write it again and again; otherwise it goes out whole, as one delta."""
 
     def __init__(self, fmt: Format | None, new_id: Callable[[], str] | None = None):
         self.format = fmt
@@ -97,6 +101,8 @@ class CallParser:
         self.held = ""  # trailing whitespace of the content, given out once more content follows
         self.strip = False  # drop the next content's leading whitespace (it follows a call)
         self.started = False  # a non-whitespace character was read (Llama 3's call must come first)
+        self.holding = False  # the last call is held back: it may repeat an earlier one
+        self.repeated = False  # a call repeated an earlier one: the output ended there
         self.out: list[dict] = []
         self._reset_object()
 
@@ -108,6 +114,8 @@ class CallParser:
 
     def feed(self, text: str) -> list[dict]:
         """Read the next piece of the output; the deltas it completes (maybe none)."""
+        if self.repeated:
+            return []
         self.buffer += text
         self._read(final=False)
         out, self.out = self.out, []
@@ -116,6 +124,9 @@ class CallParser:
     def finish(self) -> list[dict]:
         """The output ended: the deltas of whatever was held back."""
         self._read(final=True)
+        if self.holding:  # cut short: a call as far as it came, as any call is once named
+            self.holding = False
+            self._give_call(self.calls[-1])
         if self.state in ("open", "object") and self.args_start is None:  # opened, never a call: its text
             self._content(self.raw + self.obj)
         if not self.calls and self.held:
@@ -147,7 +158,7 @@ class CallParser:
 
     def _read(self, final: bool) -> None:
         """Read the buffer as far as it goes, state by state (each reader: True to read on)."""
-        while True:
+        while not self.repeated:
             if self.state == "plain":
                 self._content(self.buffer)
                 self.buffer = ""
@@ -271,14 +282,33 @@ class CallParser:
             if fragment:
                 self.given += len(fragment)
                 self.calls[-1]["function"]["arguments"] += fragment
-                self._give({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": fragment}}]})
+                if not self.holding:
+                    self._give({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": fragment}}]})
         return done
 
     def _start_call(self, name: str) -> None:
         self.held = ""  # whitespace before a call is not content
+        self.holding = any(c["function"]["name"] == name for c in self.calls)
         self.calls.append({"id": self.new_id(), "type": "function", "function": {"name": name, "arguments": ""}})
-        self._give({"tool_calls": [{"index": len(self.calls) - 1, **self.calls[-1],
-                                    "function": {"name": name, "arguments": ""}}]})
+        if not self.holding:
+            self._give_call(self.calls[-1])
+
+    def _give_call(self, call: dict) -> None:
+        """The delta that starts a call (a copy: the parser goes on adding to its arguments)."""
+        self._give({"tool_calls": [{"index": len(self.calls) - 1, **call, "function": dict(call["function"])}]})
+
+    def _call_ended(self) -> None:
+        """The last call's object ended: a held call repeating an earlier one is dropped and ends the output; any
+        other held call goes out whole."""
+        if not self.holding:
+            return
+        self.holding = False
+        last = self.calls[-1]
+        if any(same_call(c, last) for c in self.calls[:-1]):
+            self.calls.pop()
+            self.repeated = True
+        else:
+            self._give_call(last)
 
     def _object_done(self) -> None:
         """A call object ended: a call if its name and arguments were read (or it parses as one, keys in any
@@ -301,10 +331,23 @@ class CallParser:
             self._start_call(value["name"])
             text = json.dumps(arguments, ensure_ascii=False)
             self.calls[-1]["function"]["arguments"] = text
-            self._give({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": text}}]})
+            if not self.holding:
+                self._give({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": text}}]})
+        self._call_ended()
         self.raw = ""
         self._reset_object()
         self.state = "after"
+
+
+def same_call(a: dict, b: dict) -> bool:
+    """Whether two calls (OpenAI's tool_calls entries) name one function with equal arguments (as JSON values: key
+    order and spacing aside)."""
+    if a["function"]["name"] != b["function"]["name"]:
+        return False
+    try:
+        return json.loads(a["function"]["arguments"]) == json.loads(b["function"]["arguments"])
+    except ValueError:
+        return a["function"]["arguments"] == b["function"]["arguments"]
 
 
 def merge_deltas(deltas: list[dict]) -> list[dict]:

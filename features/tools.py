@@ -8,17 +8,21 @@ chat template's text or by name. One ToolRequest per request holds the checked t
 - constraint: an llguidance Lark grammar (grammar.py) the output must follow. Named or "required": only calls,
   whose arguments are valid under the function's JSON Schema, by construction whatever the model. "auto": any text,
   and once the format's opening appears (a lazy lexeme triggered by it), a valid call. "none": text that never
-  opens a call;
+  opens a call. One call unless parallel calls are allowed (by default where the template renders several), and
+  after the calls the end. constraint_with(a response format): the same, the text answer in that format;
+- grammar(compiled): the compiled constraint whose matchers, with parallel calls, end the output at a call that
+  repeats an earlier one (RepeatGuard);
 - parser(): a toolcalls.CallParser, fed the text as it streams, giving OpenAI's `delta` objects (content,
   tool_calls); parse(text): the same for a whole output.
-A server calls tool_request (ValueError: a 400 whose param is field_of(error)), render, encode_chat, constraint,
-then parser() (merge_deltas: one chunk per run) or parse(), and answers with message() and tool_calls_reason().
+A server calls tool_request (ValueError: a 400 whose param is field_of(error)), render, encode_chat, constraint (or
+constraint_with), grammar, then parser() (merge_deltas: one chunk per run) or parse(), and answers with message()
+and tool_calls_reason().
 """
 import json
 import re
 from collections.abc import Callable
 
-from features.constraint import JSON_OPTIONS, Constraint, check_constraint
+from features.constraint import JSON_OPTIONS, Constraint, Grammar, Matcher, check_constraint
 from tokenizer import template_variables
 from features.toolcalls import FORMATS, CallParser, Format, format_named
 
@@ -26,6 +30,9 @@ CHOICES = ("none", "auto", "required")
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 NO_PARAMETERS = {"type": "object", "properties": {}}
 WS = "/[ \\t\\r\\n]{0,8}/"  # whitespace between and after calls, bounded: no run for a sampler to wander into
+# A template that renders an assistant message's several calls: `{% for call in message.tool_calls %}` (Qwen,
+# Hermes, Mistral, DeepSeek), or the list whole with tojson. Llama 3.1's writes tool_calls[0] alone.
+PARALLEL = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+[\w.\[\]'\"]*tool_calls\b|tool_calls\s*\|\s*tojson")
 
 
 # ---- checking the request ----
@@ -225,14 +232,22 @@ def closed(schema):
 
 
 def calls_lark(fmt: Format, tools: list[dict], mode: str, names: tuple[str, ...], parallel: bool,
-               special_trigger: int | None = None) -> str:
+               special_trigger: int | None = None, answer: str | None = None) -> str:
     """The Lark grammar (llguidance's dialect) of an output under tool_choice `mode`. Each allowed function's call
     is its literal opening then `%json` of its parameters' schema (a root of its own, so its `$ref`s resolve), with
     grammar.py's one-line JSON. special_trigger: the trigger's token id where the vocabulary has it as one special
-    token (Mistral's [TOOL_CALLS]); else the trigger is text, found by a lazy lexeme in auto mode."""
+    token (Mistral's [TOOL_CALLS]); else the trigger is text, found by a lazy lexeme in auto mode. answer: a
+    response format (format_lark) the text follows: in auto mode the output is the calls or an answer in it, with
+    none the answer alone; required and named calls ignore it. One call unless parallel; after the calls, the end."""
+    # Without a trigger, an answer may start with "{" as a call does: each call is then one %json object, so that
+    # the two share llguidance's JSON lexer (a literal opening would make it pick the call's at the first "{").
+    whole = answer is not None and mode == "auto" and fmt.trigger is None
     rules = []
     for k, name in enumerate(names):
         parameters = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == name)
+        if whole:
+            rules.append(f"fn_{k}: %json {json.dumps(call_schema(fmt, name, parameters))}")
+            continue
         schema = {"type": "object", **closed(parameters), "x-guidance": JSON_OPTIONS}
         opening = json.dumps(f'{{"name": {json.dumps(name)}, "{fmt.arguments}": ')
         rules.append(f"fn_{k}: {opening} %json {json.dumps(schema)} \"}}\"")
@@ -240,29 +255,68 @@ def calls_lark(fmt: Format, tools: list[dict], mode: str, names: tuple[str, ...]
     sep = json.dumps(fmt.separator)
     trigger = None if fmt.trigger is None else f"<[{special_trigger}]>" if special_trigger is not None \
         else json.dumps(fmt.trigger)
+    end = f" {WS}" if parallel else ""  # one call: nothing may follow it
     if fmt.array:  # Mistral: the trigger, then one JSON array of calls
-        rules.append(f"calls: / ?/ \"[\" call {f'({sep} call)*' if parallel else ''} \"]\" {WS}")
+        rules.append(f"calls: / ?/ \"[\" call {f'({sep} call)*' if parallel else ''} \"]\"{end}")
     elif fmt.trigger is None:  # Llama 3: the output is the calls
-        rules.append(f"calls: call {f'({sep} call)*' if parallel else ''} {WS}")
+        rules.append(f"calls: call {f'({sep} call)*' if parallel else ''}{end}")
     else:  # Hermes: each call in trigger ... close
         body = f"\"\\n\" call {json.dumps(chr(10) + fmt.close)}"
-        rules.append(f"calls: {body} {f'({WS} {trigger} {body})*' if parallel else ''} {WS}")
+        rules.append(f"calls: {body} {f'({WS} {trigger} {body})*' if parallel else ''}{end}")
+    if answer is not None and mode in ("auto", "none"):
+        start = ["start: answer" + (f" | {trigger or ''} calls" if mode == "auto" else ""), f"answer: {answer}"]
+    else:
+        start = text_rules(fmt, mode, trigger, special_trigger)
+    return "\n".join(["%llguidance {}", *start, *rules]) + "\n"
+
+
+def text_rules(fmt: Format, mode: str, trigger: str | None, special_trigger: int | None) -> list[str]:
+    """calls_lark's start rule and free text (TEXT) without a response format."""
     if fmt.trigger is None:
-        text = "TEXT: /([^{](.|\\n)*)?/"  # text never starts with "{": that is a call
         start = {"auto": "start: TEXT | calls", "none": "start: TEXT"}.get(mode, "start: calls")
-    elif mode == "none":
+        return [start, "TEXT: /([^{](.|\\n)*)?/"]  # text never starts with "{": that is a call
+    if mode == "none":
         # Text that never writes the trigger (a special-token trigger is no text anyway)
         text = "TEXT: /(?s:.*)/" if special_trigger is not None else \
             f"TEXT: /(?s:.*)/ & ~/(?s:.*){re.escape(fmt.trigger)}(?s:.*)/"
-        start = "start: TEXT"
+        return ["start: TEXT", text]
+    if mode == "auto":  # any text; from the trigger on, calls (the lazy lexeme ends at the trigger's first match)
+        opening = f"open: TEXT {trigger}" if special_trigger is not None else f"open[lazy]: TEXT {trigger}"
+        return ["start: TEXT | open calls", opening, "TEXT: /(.|\\n)*/"]
+    return [f"start: {trigger} calls", "TEXT: /(.|\\n)*/"]
+
+
+def call_schema(fmt: Format, name: str, parameters: dict) -> dict:
+    """A whole call as one JSON Schema: its name a constant, its arguments the function's parameters (closed), their
+    `$defs` moved to the root so that their `$ref`s resolve; grammar.py's one-line JSON, keys in the call's order."""
+    parameters = closed(parameters)
+    defs = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
+    return {"type": "object", "properties": {"name": {"const": name}, fmt.arguments: {"type": "object", **parameters}},
+            "required": ["name", fmt.arguments], "additionalProperties": False, **defs, "x-guidance": JSON_OPTIONS}
+
+
+def format_lark(answer: Constraint) -> str:
+    """A response format (structured output's Constraint) as a Lark expression that can stand in a rule of
+    calls_lark's grammar: a JSON Schema (or any JSON object) as `%json`, a regex, Lark or GBNF grammar as a nested
+    `%lark {...}`. ValueError for a grammar that does not convert."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if answer.kind in ("json_schema", "json_object"):
+        schema = json.loads(answer.spec) if answer.kind == "json_schema" else {"type": "object"}
+        schema = schema if isinstance(schema, dict) else {"allOf": [schema]}  # true or false
+        options = schema.get("x-guidance")
+        return f"%json {json.dumps({**schema, 'x-guidance': {**JSON_OPTIONS, **(options or {})}})}"
+    if answer.kind == "regex":  # llguidance's own Lark for it (a `start:` rule with the regex, "/" escaped)
+        lark = json.loads(LLMatcher.grammar_from_regex(answer.spec))["grammars"][0]["lark_grammar"]
+    elif answer.kind == "lark":
+        lark = answer.spec
     else:
-        text = "TEXT: /(.|\\n)*/"
-        if mode == "auto":  # any text; from the trigger on, calls (the lazy lexeme ends at the trigger's first match)
-            opening = f"open: TEXT {trigger}" if special_trigger is not None else f"open[lazy]: TEXT {trigger}"
-            start = f"start: TEXT | open calls\n{opening}"
-        else:
-            start = f"start: {trigger} calls"
-    return "\n".join(["%llguidance {}", start, text, *rules]) + "\n"
+        try:  # Lark as it is; GBNF converted, as constraint.to_llguidance does
+            lark = any_to_lark(answer.spec)
+        except Exception as e:  # the converter raises GbnfToLarkError, or a plain Exception for an unknown rule
+            raise ValueError(f"invalid GBNF grammar: {' '.join(str(e).split())[:300]}") from None
+    return f"%lark {{\n{lark}\n}}"
 
 
 # ---- the request ----
@@ -272,9 +326,10 @@ class ToolRequest:
     template; built by tool_request."""
 
     def __init__(self, tools: list[dict] | None, mode: str, names: tuple[str, ...], parallel: bool, fmt: Format,
-                 template: str | None, special_trigger: int | None):
+                 tokenizer, special_trigger: int | None):
         self.tools, self.mode, self.names, self.parallel = tools, mode, names, parallel
-        self.format, self.template, self.special_trigger = fmt, template, special_trigger
+        self.format, self.tokenizer, self.special_trigger = fmt, tokenizer, special_trigger
+        self.template = tokenizer.chat_template
 
     def render(self, messages: list[dict]) -> tuple[list[dict], list[dict] | None]:
         """(messages, tools) for tokenizer.encode_chat(messages, tools=tools): see render_messages."""
@@ -283,10 +338,22 @@ class ToolRequest:
     @property
     def constraint(self) -> Constraint | None:
         """The grammar the output follows (see calls_lark); None without tools."""
+        return self.constraint_with(None)
+
+    def constraint_with(self, answer: Constraint | None) -> Constraint | None:
+        """The grammar of an output that may also answer in a response format (structured output's Constraint;
+        None: free text): see calls_lark. None without tools. ValueError for a format that does not convert."""
         if not self.tools:
             return None
         return Constraint("lark", calls_lark(self.format, self.tools, self.mode, self.names, self.parallel,
-                                             self.special_trigger))
+                                             self.special_trigger, None if answer is None else format_lark(answer)))
+
+    def grammar(self, compiled: Grammar) -> Grammar:
+        """The compiled constraint as the decode loops take it: with parallel calls, each sequence's matcher ends
+        the output at a call that repeats an earlier one (RepeatGuard)."""
+        if not self.tools or not self.parallel or self.mode == "none":
+            return compiled
+        return GuardedGrammar(compiled, self.tokenizer, self.format)
 
     def parser(self, new_id: Callable[[], str] | None = None) -> "CallParser":
         """A parser of this request's output, streamed (for "none": one that reads every text as content)."""
@@ -300,10 +367,63 @@ class ToolRequest:
         return parser.content, parser.calls
 
 
+class RepeatGuard(Matcher):
+    """A tool grammar's matcher that also reads the calls as they are written (a CallParser over the decoded
+    tokens): a call that repeats an earlier one (same name and arguments) ends the output there (`done`: the engine
+    ends it with "stop"), where a model caught in a loop would write it again until max_tokens."""
+
+    def __init__(self, matcher: Matcher, tokenizer, fmt: Format):
+        super().__init__(matcher.matcher)
+        self.tokenizer, self.format = tokenizer, fmt
+        self.ids: list[int] = []  # the tokens taken
+        self._reread()
+
+    def _reread(self) -> None:
+        self.decoder, self.parser = self.tokenizer.stream(), CallParser(self.format, lambda: "")
+        for token in self.ids:
+            self._read(token)
+
+    def _read(self, token: int) -> None:
+        if token not in self.tokenizer.eos_ids:
+            self.parser.feed(self.decoder.push(token))
+
+    def advance(self, token: int) -> None:
+        super().advance(token)
+        self.ids.append(token)
+        self._read(token)
+
+    def rollback(self, n: int) -> None:
+        super().rollback(n)
+        del self.ids[len(self.ids) - n:]
+        self._reread()
+
+    @property
+    def done(self) -> bool:
+        return self.parser.repeated or super().done
+
+
+class GuardedGrammar(Grammar):
+    """A compiled tool grammar whose matchers are RepeatGuards."""
+
+    def __init__(self, grammar: Grammar, tokenizer, fmt: Format):
+        super().__init__(grammar.constraint, grammar.template)
+        self.tokenizer, self.format = tokenizer, fmt
+
+    def matcher(self) -> Matcher:
+        return RepeatGuard(super().matcher(), self.tokenizer, self.format)
+
+
+def parallel_native(template: str | None) -> bool:
+    """Whether a chat template renders several calls in one assistant message (it loops over `tool_calls`, or
+    writes them whole with `tojson`): a model trained on it may make parallel calls. llama.cpp decides so too."""
+    return bool(PARALLEL.search(template or ""))
+
+
 def tool_request(tools, tool_choice, parallel_tool_calls, tokenizer, parser: str | None = None) -> ToolRequest:
     """Check a request's tool fields (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`: None where absent)
     against the model's tokenizer (its chat template picks the format unless `parser` names one). ValueError naming
-    the field; the schemas are checked by llguidance, so a request that passes compiles."""
+    the field; the schemas are checked by llguidance, so a request that passes compiles. parallel_tool_calls
+    defaults to the template's support (parallel_native); a named choice is one call."""
     fmt = format_named(parser, tokenizer.chat_template)
     if fmt is None and tools is not None:
         raise ValueError("tools: this model's chat template writes calls in a syntax not supported here "
@@ -316,8 +436,10 @@ def tool_request(tools, tool_choice, parallel_tool_calls, tokenizer, parser: str
     special = None
     if fmt.trigger is not None and tokenizer.specials is not None and tokenizer.specials.fullmatch(fmt.trigger):
         special = tokenizer.backend.token_to_id(fmt.trigger)
-    parallel = parallel_tool_calls is not False and not isinstance(tool_choice, dict)  # a named choice: one call
-    request = ToolRequest(checked, mode, names, parallel, fmt, tokenizer.chat_template, special)
+    if parallel_tool_calls is None:
+        parallel_tool_calls = parallel_native(tokenizer.chat_template)
+    parallel = parallel_tool_calls and not isinstance(tool_choice, dict)  # a named choice: one call
+    request = ToolRequest(checked, mode, names, parallel, fmt, tokenizer, special)
     if request.constraint is not None:
         try:
             check_constraint(request.constraint)

@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from features.constraint import Constraint, Grammar
+from features.constraint import Constraint, Grammar, check_constraint
 from features.reasoning import Tags, opens_thinking
 from features.fim import FimTokens, find_fim_tokens, infill_prompt
 from features.tools import ToolRequest, field_of, tool_request
@@ -505,20 +505,26 @@ def stop_of(body: dict, more: list[str] = ()) -> list[str]:
 
 def grammar_of(body: dict, compile_grammar: Callable[[Constraint], Grammar] | None,
                tools: ToolRequest | None = None) -> Grammar | None:
-    """The compiled grammar of the structured output asked for, or of the tool calls (one per request)."""
+    """The compiled grammar of the structured output asked for, of the tool calls, or of both (one per request):
+    with tools, a response format applies to the text answer (ToolRequest.constraint_with)."""
     asked = constraint_of(body)
-    if tools is not None and tools.constraint is not None:
-        if asked is not None:
-            raise BadRequest(f"{asked[1]} and tools cannot be combined: a request follows one grammar", asked[1])
-        asked = tools.constraint, "tools"
+    if tools is not None and tools.tools:
+        param = "tools" if asked is None else asked[1]  # the tools were checked alone in tool_request
+        try:
+            if asked is not None:
+                check_constraint(asked[0])  # the format's own errors, as without tools
+            asked = tools.constraint_with(None if asked is None else asked[0]), param
+        except ValueError as e:
+            raise BadRequest(str(e), param) from None
     if asked is None:
         return None
     if compile_grammar is None:
         raise BadRequest("structured output is not served here", asked[1])
     try:
-        return compile_grammar(asked[0])
+        grammar = compile_grammar(asked[0])
     except ValueError as e:
         raise BadRequest(str(e), asked[1]) from None
+    return grammar if tools is None else tools.grammar(grammar)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

@@ -456,6 +456,69 @@ def test_tool_calls_stream_and_round_trip(reference):
     assert absent.status_code == 400 and absent.json()["error"]["param"].startswith("tool_choice")
 
 
+CITY = {"type": "function", "function": {  # as agents write one: no bounds on the string
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_required_ends_after_its_call_by_default(reference):
+    """tool_choice "required" without parallel_tool_calls: SmolLM2's template has no parallel calls, so one call,
+    and the grammar ends the output after it (it ran to max_tokens repeating calls before). 5 seeds at
+    temperature 0 and 0.7. With parallel calls asked for, a repeated call ends the output and is dropped."""
+    import json
+
+    async def one(c, temperature, seed, **kw):
+        r = await c.chat.completions.create(model="m", messages=ASK_WEATHER, tools=[CITY], tool_choice="required",
+                                            temperature=temperature, seed=seed, max_tokens=200, **kw)
+        return r.choices[0]
+
+    async def fn(c, h):
+        return await asyncio.gather(*[one(c, t, seed) for t in (0, 0.7) for seed in range(5)],
+                                    one(c, 0, 0, parallel_tool_calls=True))
+
+    *choices, parallel = call(reference, fn)
+    for choice in choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+        assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments)["city"], str)
+    assert parallel.finish_reason == "tool_calls", parallel
+    calls = [(t.function.name, json.loads(t.function.arguments)) for t in parallel.message.tool_calls]
+    assert len(set(map(json.dumps, calls))) == len(calls), calls
+
+
+def test_tools_with_a_response_format(reference):
+    """tools with response_format (the OpenAI Agents SDK sends both for an agent with an output_type): 200, and
+    each answer is a call or content valid under the schema, streamed or not; tool_choice none: the format alone."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 80}},
+              "required": ["answer"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": schema, "strict": True}}
+    asks = [ASK_WEATHER, [{"role": "user", "content": "Say hello to Ana."}]]
+
+    async def fn(c, h):
+        kw = dict(model="m", tools=[CITY], response_format=fmt, max_tokens=120, seed=1)
+        whole = [await c.chat.completions.create(messages=m, temperature=t, **kw) for m in asks for t in (0, 0.7)]
+        stream = await c.chat.completions.create(messages=asks[1], temperature=0, stream=True, **kw)
+        answer = await c.chat.completions.create(messages=asks[1], temperature=0, tool_choice="none", **kw)
+        return whole + [answer], [x async for x in stream]
+
+    whole, chunks = call(reference, fn)  # SmolLM2 calls in auto mode; with "none" it answers in the format
+    assert whole[-1].choices[0].message.content and not whole[-1].choices[0].message.tool_calls
+    for r in whole:
+        choice = r.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls", choice
+            json.loads(choice.message.tool_calls[0].function.arguments)
+        else:
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.message.content), schema)
+    streamed = "".join(x.choices[0].delta.content or "" for x in chunks if x.choices)
+    assert streamed == (whole[2].choices[0].message.content or "")  # the same request, not streamed
+
+
 def test_instructor_and_langchain_tool_calling(reference):
     """The libraries' own tool paths: instructor's default Mode.TOOLS returns a validated pydantic object;
     langchain-openai's bind_tools (with tool_choice) returns tool_calls and with_structured_output(method=

@@ -154,3 +154,33 @@ def test_chat_stream_chunks_carry_logprobs_and_usage(smollm2_tokenizer):
     assert data[2]["choices"][0]["finish_reason"] == "length"
     assert [d["usage"] for d in data[:3]] == [None] * 3 and data[3]["choices"] == []
     assert data[3]["usage"]["completion_tokens"] == 1
+
+
+def test_tools_with_a_response_format(smollm2_tokenizer):
+    """tools and response_format (or a guided_* field) in one chat request: one grammar, the format the answer's
+    (auto: the calls or the answer; required: calls only); a bad format is still a 400 naming its field. With
+    parallel calls, the grammar's matchers end the output at a repeated call."""
+    from features.grammar import Compiler
+    from features.tools import GuardedGrammar
+
+    tok = smollm2_tokenizer
+    compile_grammar = Compiler(tok, tok.vocab_size).compile
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}, "required": ["x"]}}}
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+
+    def grammar(**fields):
+        call = parse_request({**body, **fields}, True, tok, **LIMITS, compile_grammar=compile_grammar)
+        return call.requests[0].grammar
+
+    auto = grammar()
+    assert "start: answer | " in auto.constraint.spec and json.dumps(schema)[:-1] in auto.constraint.spec
+    assert "answer" not in grammar(tool_choice="required").constraint.spec
+    assert "answer: %lark" in grammar(response_format=None, guided_regex="[a-z]+").constraint.spec
+    assert not isinstance(auto, GuardedGrammar) and isinstance(grammar(parallel_tool_calls=True), GuardedGrammar)
+    with pytest.raises(BadRequest) as e:
+        grammar(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
+            "x": {"type": "string", "pattern": "(unclosed"}}}}})
+    assert e.value.param == "response_format" and "invalid" in str(e.value)

@@ -12,7 +12,7 @@ import torch
 from features.constraint import Constraint
 from features.grammar import Compiler
 from features.toolcalls import FORMATS, CallParser, Format, detect_format, format_named, merge_deltas, parse_calls
-from features.tools import calls_lark, field_of, message, tool_calls_reason, tool_request
+from features.tools import calls_lark, field_of, message, parallel_native, tool_calls_reason, tool_request
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
@@ -190,6 +190,31 @@ def test_a_call_cut_short_stays_a_call():
     assert message("hi", []) == {"role": "assistant", "content": "hi"}
 
 
+def test_a_repeated_call_is_dropped_and_ends_the_output():
+    """A call of a function named before is held until its object ends: one repeating an earlier call (arguments
+    equal as JSON) is dropped and ends the output, what follows ignored; another goes out whole, as one delta."""
+    oslo, rome = '{"city": "Oslo", "unit": "celsius"}', '{"city": "Rome", "unit": "celsius"}'
+    again = '{"name": "get_weather", "arguments": {"unit": "celsius", "city": "Oslo"}}'
+    text = FORMATS["hermes"].calls_text([("get_weather", oslo), ("get_weather", rome)]) + \
+        f"\n<tool_call>\n{again}\n</tool_call>\nand more <tool_call>\n{CALL2}\n</tool_call>"
+    expected = ("", [("get_weather", oslo), ("get_weather", rome)])
+    for k in range(len(text) + 1):
+        assert streamed("hermes", [text[:k], text[k:]]) == expected, k
+    parser = CallParser(FORMATS["hermes"], counter_ids())
+    deltas = [d for ch in text for d in parser.feed(ch)] + parser.finish()
+    assert parser.repeated and parser.content == ""
+    assert [d for d in deltas if d["tool_calls"][0]["index"] == 1] == [  # held, then given whole
+        {"tool_calls": [{"index": 1, "id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": rome}}]}]
+    cut = text[:text.index("Rome") + 2]  # max_tokens inside a held call: a call as far as it came
+    assert streamed("hermes", [cut]) == ("", [("get_weather", oslo), ("get_weather", '{"city": "Ro')])
+    for fmt in "llama3_json", "mistral":
+        twice = FORMATS[fmt].calls_text([("get_weather", oslo), ("search", ARGS2), ("get_weather", oslo)])
+        content, calls = parse_calls(twice, FORMATS[fmt])
+        assert content == "" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+            [("get_weather", oslo), ("search", ARGS2)], fmt
+
+
 def test_tool_choice_none_reads_everything_as_content(smollm2_tokenizer):
     request = tool_request(TOOLS, "none", None, smollm2_tokenizer)
     parser = request.parser()
@@ -353,14 +378,16 @@ def test_grammars_of_each_mode(smollm2_tokenizer, compiler, fmt):
     def grammar(choice, parallel=None):
         return tool_request(TOOLS, choice, parallel, tokenizer, parser=fmt).constraint
 
-    auto, required = grammar("auto"), grammar("required")
+    auto, required = grammar("auto", True), grammar("required", True)
     named = grammar({"type": "function", "function": {"name": "get_weather"}})
     assert accepts(compiler, tokenizer, auto, "It is sunny today.")
     assert accepts(compiler, tokenizer, auto, good) and accepts(compiler, tokenizer, auto, two)
     assert not accepts(compiler, tokenizer, auto, bad_args) and not accepts(compiler, tokenizer, auto, unknown)
     assert accepts(compiler, tokenizer, required, good) and accepts(compiler, tokenizer, required, two)
     assert not accepts(compiler, tokenizer, required, "It is sunny today.")
-    assert not accepts(compiler, tokenizer, grammar("required", False), two)  # parallel_tool_calls false: one call
+    for one in grammar("required", False), grammar("required"), grammar("auto"):  # SmolLM2's default: one call
+        assert accepts(compiler, tokenizer, one, good) and not accepts(compiler, tokenizer, one, two)
+        assert not accepts(compiler, tokenizer, one, good + "\n")  # nothing follows it: the end is forced
     assert accepts(compiler, tokenizer, named, good) and not accepts(compiler, tokenizer, named, two)
     assert not accepts(compiler, tokenizer, named, FORMATS[fmt].calls_text([("search", '{"query": "x", '
                                                                             '"filters": {"lang": "fr"}}')]))
@@ -368,6 +395,75 @@ def test_grammars_of_each_mode(smollm2_tokenizer, compiler, fmt):
     assert accepts(compiler, tokenizer, grammar("none"), "It is sunny today.")
     if fmt != "llama3_json":  # text before the call, in auto mode
         assert accepts(compiler, tokenizer, auto, "Let me check. " + good)
+
+
+def test_parallel_calls_default_to_the_templates_support(smollm2_tokenizer):
+    """As llama.cpp: a template that renders several calls in one assistant message allows parallel calls unless
+    parallel_tool_calls says otherwise; SmolLM2's, which knows no tools, one call. A named choice: one call."""
+    native = with_template(smollm2_tokenizer, HERMES_TEMPLATE)
+    assert not tool_request([WEATHER], "required", None, smollm2_tokenizer).parallel
+    assert tool_request([WEATHER], "required", None, native).parallel
+    assert not tool_request([WEATHER], "required", False, native).parallel
+    assert tool_request([WEATHER], "required", True, smollm2_tokenizer).parallel
+    assert not tool_request([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, True, native).parallel
+    assert parallel_native("{%- for tool in message['tool_calls'] %}") and parallel_native("{{ m.tool_calls|tojson }}")
+    assert not parallel_native("{%- set call = message.tool_calls[0].function %}") and not parallel_native(None)
+
+
+ANSWER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "sunny": {"type": "boolean"}},
+          "required": ["city", "sunny"], "additionalProperties": False}
+ANSWERS = [  # (a response format, a text in it, a text not in it)
+    (Constraint("json_schema", json.dumps(ANSWER)), '{"city": "Oslo", "sunny": true}', '{"city": "Oslo"}'),
+    (Constraint("json_object"), '{"a": [1, 2]}', "[1, 2]"),
+    (Constraint("regex", "(yes|no)/[0-9]+"), "yes/12", "maybe/12"),
+    (Constraint("grammar", 'root ::= "A" [0-9]+'), "A42", "B42"),  # GBNF
+    (Constraint("grammar", 'start: "{" NAME "}"\nNAME: /[a-z]+/'), "{abc}", "{ABC}"),  # Lark, braces and all
+]
+
+
+@pytest.mark.parametrize("fmt, answer, inside, outside", [("hermes", *a) for a in ANSWERS] + [
+    (fmt, *a) for fmt in ("llama3_json", "mistral") for a in ANSWERS[:2]])  # JSON: a call's "{" too, in Llama 3's
+def test_a_response_format_with_tools(smollm2_tokenizer, compiler, fmt, answer, inside, outside):
+    """tools with response_format: in auto mode the output is the calls or an answer in the format, never free
+    text; required calls ignore the format; none is the format alone."""
+    tokenizer = smollm2_tokenizer
+    call = FORMATS[fmt].calls_text([("get_weather", '{"city": "Oslo", "unit": "celsius"}')])
+    search = FORMATS[fmt].calls_text([("search", ARGS2)])  # its schema's $ref, from the call's own root
+
+    def ok(choice, text):
+        constraint = tool_request(TOOLS, choice, None, tokenizer, parser=fmt).constraint_with(answer)
+        return accepts(compiler, tokenizer, constraint, text)
+
+    assert ok("auto", call) and ok("auto", search) and ok("auto", inside)
+    assert not ok("auto", outside) and not ok("auto", "It is sunny today.")
+    assert ok("required", call) and not ok("required", inside)
+    assert ok("none", inside) and not ok("none", outside)
+    assert ok("none", call) == (fmt == "llama3_json" and answer.kind == "json_object")  # a call is a JSON object
+
+
+def test_the_guard_ends_the_output_at_a_repeated_call(smollm2_tokenizer, compiler):
+    """With parallel calls the grammar's matchers read the calls: the token that completes a call repeating an
+    earlier one ends the output (done), before the model could go on to max_tokens; rolled back, it is open again.
+    One call needs no guard: its grammar ends after it."""
+    tokenizer = smollm2_tokenizer
+    request = tool_request([WEATHER, SEARCH], "required", True, tokenizer)
+    grammar = request.grammar(compiler.compile(request.constraint))
+    oslo = '{"city": "Oslo", "unit": "celsius"}'
+    text = FORMATS["hermes"].calls_text([("get_weather", oslo), ("search", ARGS2), ("get_weather", oslo)])
+    ids = tokenizer.encode(text, bos=False)
+    end = next(k for k in range(len(ids) + 1) if len(tokenizer.decode(ids[:k])) >= text.rindex("}") + 1)
+    matcher = grammar.matcher()
+    for k, token in enumerate(ids[:end]):
+        assert not matcher.done, tokenizer.decode(ids[:k])
+        matcher.advance(token)
+    assert matcher.done and not matcher.can_end  # the grammar alone would go on: its close, more calls
+    matcher.rollback(1)
+    assert not matcher.done
+    matcher.advance(ids[end - 1])
+    assert matcher.done
+    one = tool_request([WEATHER], "required", None, tokenizer)
+    compiled = compiler.compile(one.constraint)
+    assert one.grammar(compiled) is compiled
 
 
 def test_a_special_token_trigger_is_named_by_id(smollm2_tokenizer, compiler):

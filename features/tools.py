@@ -29,6 +29,9 @@ from features.toolcalls import FORMATS, CallParser, Format, format_named
 CHOICES = ("none", "auto", "required")
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 NO_PARAMETERS = {"type": "object", "properties": {}}
+# A tool's schema keywords llguidance does not implement (propertyNames, ...) are ignored, not refused: agents send
+# their tools as they are (Claude Code's), and the arguments still follow the rest of the schema.
+TOOL_JSON_OPTIONS = {**JSON_OPTIONS, "lenient": True}
 WS = "/[ \\t\\r\\n]{0,8}/"  # whitespace between and after calls, bounded: no run for a sampler to wander into
 # A template that renders an assistant message's several calls: `{% for call in message.tool_calls %}` (Qwen,
 # Hermes, Mistral, DeepSeek), or the list whole with tojson. Llama 3.1's writes tool_calls[0] alone.
@@ -71,7 +74,7 @@ def check_tools(tools) -> list[dict]:
             raise ValueError(f"{where}.function.parameters must describe an object (a call's arguments are one), "
                              f"got type {json.dumps(parameters['type'])[:50]}")
         try:
-            check_constraint(Constraint("json_schema", json.dumps(parameters)))
+            check_constraint(Constraint("json_schema", json.dumps({**parameters, "x-guidance": TOOL_JSON_OPTIONS})))
         except ValueError as e:
             raise ValueError(f"{where}.function.parameters: {e}") from None
         out.append({"type": "function", "function": {**function, "parameters": parameters}})
@@ -248,7 +251,7 @@ def calls_lark(fmt: Format, tools: list[dict], mode: str, names: tuple[str, ...]
         if whole:
             rules.append(f"fn_{k}: %json {json.dumps(call_schema(fmt, name, parameters))}")
             continue
-        schema = {"type": "object", **closed(parameters), "x-guidance": JSON_OPTIONS}
+        schema = {"type": "object", **closed(parameters), "x-guidance": TOOL_JSON_OPTIONS}
         opening = json.dumps(f'{{"name": {json.dumps(name)}, "{fmt.arguments}": ')
         rules.append(f"fn_{k}: {opening} %json {json.dumps(schema)} \"}}\"")
     rules.append("call: " + " | ".join(f"fn_{k}" for k in range(len(names))))
@@ -292,7 +295,8 @@ def call_schema(fmt: Format, name: str, parameters: dict) -> dict:
     parameters = closed(parameters)
     defs = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
     return {"type": "object", "properties": {"name": {"const": name}, fmt.arguments: {"type": "object", **parameters}},
-            "required": ["name", fmt.arguments], "additionalProperties": False, **defs, "x-guidance": JSON_OPTIONS}
+            "required": ["name", fmt.arguments], "additionalProperties": False, **defs,
+            "x-guidance": TOOL_JSON_OPTIONS}
 
 
 def format_lark(answer: Constraint) -> str:

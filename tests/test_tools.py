@@ -638,3 +638,15 @@ def test_call_schemas_are_closed_where_left_open():
     assert out["properties"]["properties"]["additionalProperties"] is False
     assert set(out["properties"]) == {"properties", "b"} and out["properties"]["b"] == {"enum": [{"properties": {}}]}
     assert out["$defs"]["x"]["additionalProperties"] is True
+
+
+def test_schema_keywords_llguidance_lacks_are_ignored_in_tools(smollm2_tokenizer, compiler):
+    """Agents send their tools as they are: Claude Code's schemas use propertyNames, which llguidance does not
+    implement. The tool is served (the keyword ignored), the rest of its schema still holds."""
+    tool = {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"labels": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
+                                         "n": {"type": "integer"}}, "required": ["n"]}}}
+    grammar = tool_request([tool], "required", None, smollm2_tokenizer).constraint
+    call = FORMATS["hermes"].calls_text
+    assert accepts(compiler, smollm2_tokenizer, grammar, call([("tag", '{"labels": {"a": 1}, "n": 2}')]))
+    assert not accepts(compiler, smollm2_tokenizer, grammar, call([("tag", '{"labels": {"a": 1}, "n": "2"}')]))

@@ -195,3 +195,28 @@ def test_max_tokens_is_a_cap_cut_to_the_room_left(smollm2_tokenizer):
     assert small.requests[0].max_new_tokens == 5
     with pytest.raises(BadRequest, match="max_tokens must be >= 1"):
         parse_messages(json.dumps({**body, "max_tokens": 0}).encode(), smollm2_tokenizer, **LIMITS)
+
+
+def test_reasoning_becomes_a_thinking_block(smollm2_tokenizer):
+    from features.reasoning import Tags
+
+    tok = smollm2_tokenizer
+    body = {"model": "m", "max_tokens": 60, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    call = parse_messages(json.dumps(body).encode(), tok, **LIMITS, reasoning=Tags())
+    answer = MessagesAnswer(call, tok, "m")
+    pieces = ["<think>", "The user ", "greets.</thi", "nk>\n\nHello!"]
+    lines = answer.opening()
+    for k, piece in enumerate(pieces):
+        last = k == len(pieces) - 1
+        lines += answer.add(0, Event(0, piece, [k], last, "eos" if last else None, 9, k + 1, 0))
+    events = stream_events(lines)
+    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+    assert starts == [{"type": "thinking", "thinking": "", "signature": ""}, {"type": "text", "text": ""}]
+    deltas = [d["delta"] for n, d in events if n == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == "The user greets."
+    assert "".join(d.get("text", "") for d in deltas) == "Hello!"
+    assert {"type": "signature_delta", "signature": ""} in deltas
+    stops = [d["index"] for n, d in events if n == "content_block_stop"]
+    assert stops == [0, 1]
+    assert answer.body()["content"] == [{"type": "thinking", "thinking": "The user greets.", "signature": ""},
+                                        {"type": "text", "text": "Hello!"}]

@@ -145,6 +145,10 @@ def test_the_openai_sdk_creates_streams_and_continues_with_function_outputs(smol
                                                tool_choice={"type": "function", "name": "get_weather"})
         call = next(o for o in called.output if o.type == "function_call")
         assert isinstance(json.loads(call.arguments)["city"], str)
+        required = await client.responses.create(input="What is the weather in Paris?", **weather,
+                                                 tool_choice="required")
+        assert [o.type for o in required.output] == ["function_call"] and required.status == "completed"
+        assert isinstance(json.loads(required.output[0].arguments)["city"], str)
         after = await client.responses.create(previous_response_id=called.id, **weather, input=[
             {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 22 C"}])
         assert after.status in ("completed", "incomplete") and after.previous_response_id == called.id
@@ -157,3 +161,25 @@ def test_the_openai_sdk_creates_streams_and_continues_with_function_outputs(smol
             await client.responses.create(model="m", input="hi", tools=[{"type": "web_search"}])
 
     serve(smollm2, fn)
+
+
+def test_reasoning_becomes_a_reasoning_item(smollm2_tokenizer):
+    from features.reasoning import Tags
+
+    tok, store = smollm2_tokenizer, Store()
+    body = {"model": "m", "input": "hi", "stream": True}
+    call = parse_responses(json.dumps(body).encode(), tok, store, **LIMITS, reasoning=Tags())
+    answer = ResponsesAnswer(call, tok, "m", store)
+    pieces = ["<think>Greet", " back.</think>", "Hello!"]
+    lines = answer.opening()
+    for k, piece in enumerate(pieces):
+        last = k == len(pieces) - 1
+        lines += answer.add(0, Event(0, piece, [k], last, "eos" if last else None, 9, k + 1, 0))
+    events = typed_events(lines)
+    reasoning = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert reasoning == "Greet back."
+    output = events[-1]["response"]["output"]
+    assert [o["type"] for o in output] == ["reasoning", "message"]
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": "Greet back."}]
+    assert output[1]["content"][0]["text"] == "Hello!"
+    assert store.get(answer.id)[1][-1] == {"role": "assistant", "content": "Hello!"}  # the thinking is not carried

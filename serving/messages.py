@@ -6,7 +6,7 @@ import secrets
 
 from serving.answer import Answer
 from serving.contract import Event
-from serving.protocol import BadRequest, Call, get, parse_capped, parse_json, parse_request
+from serving.protocol import BadRequest, Call, get, parse_capped, parse_json
 
 # The fields read; others (metadata, service_tier, cache_control on blocks, ...) are ignored with a log line.
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
@@ -164,7 +164,7 @@ def count_tokens(raw: bytes, tokenizer, **limits) -> int:
     body = parse_json(raw)
     if isinstance(body, dict):
         body = {**body, "max_tokens": 1, "stream": False}
-    return len(parse_request(chat_body(body), True, tokenizer, **limits).requests[0].prompt)
+    return len(parse_capped(chat_body(body), "max_tokens", tokenizer, **limits).requests[0].prompt)
 
 
 def tool_input(arguments: str) -> dict:

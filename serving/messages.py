@@ -178,8 +178,8 @@ def tool_input(arguments: str) -> dict:
 
 class MessagesAnswer:
     """The answer to one /v1/messages Call: the message (stream=False) or the stream's events. Content blocks
-    follow the chat deltas (features.reasoning.Reader): reasoning -> a thinking block, content -> a text block, each call ->
-    a tool_use block, whose input streams as input_json_delta."""
+    follow the chat deltas (features.reasoning.Reader): reasoning -> a thinking block, content -> a text block,
+    each call -> a tool_use block, whose input streams as input_json_delta."""
 
     def __init__(self, call: Call, tokenizer, model: str):
         self.call, self.model, self.id = call, model, new_id("msg_")

@@ -169,8 +169,8 @@ def parse_responses(raw: bytes, tokenizer, store: Store, **limits) -> Call:
 
 class ResponsesAnswer:
     """The answer to one /v1/responses Call: the response object (stream=False) or the stream's events. Output
-    items follow the chat deltas (features.reasoning.Reader): reasoning -> a reasoning item, content -> a message item with
-    one output_text part, each call -> a function_call item, whose arguments stream as deltas."""
+    items follow the chat deltas (features.reasoning.Reader): reasoning -> a reasoning item, content -> a message
+    item with one output_text part, each call -> a function_call item, whose arguments stream as deltas."""
 
     def __init__(self, call: Call, tokenizer, model: str, store: Store):
         self.call, self.model, self.store = call, model, store

@@ -83,10 +83,12 @@ def make_prompts(n: int, min_words: int, max_words: int, rng: random.Random) -> 
     return prompts
 
 
-async def one_request(client, url: str, model: str, prompt: str, max_tokens: int) -> Result:
-    """Send one streaming completion (greedy, fixed max_tokens) and time its content chunks."""
+async def one_request(client, url: str, model: str, prompt: str, max_tokens: int,
+                      ignore_eos: bool = False) -> Result:
+    """Send one streaming completion (greedy, fixed max_tokens; ignore_eos: all of them, as vLLM's and llama.cpp's
+    servers take it too) and time its content chunks."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **({"ignore_eos": True} if ignore_eos else {})}
     r = Result(ok=False, start_s=time.perf_counter())
     first = last = None
     used = None
@@ -127,7 +129,7 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
 
 
 async def open_loop(client, url: str, model: str, prompts: list[str], max_tokens: int, rate: float,
-                    rng: random.Random, deadline: float) -> list[asyncio.Task]:
+                    rng: random.Random, deadline: float, ignore_eos: bool = False) -> list[asyncio.Task]:
     """Send the prompts at Poisson arrivals of `rate` requests/s (exponential gaps), not waiting for answers;
     none after the deadline."""
     tasks, t = [], time.perf_counter()
@@ -135,20 +137,20 @@ async def open_loop(client, url: str, model: str, prompts: list[str], max_tokens
         if t > deadline:
             break
         await asyncio.sleep(max(0.0, t - time.perf_counter()))
-        tasks.append(asyncio.create_task(one_request(client, url, model, prompt, max_tokens)))
+        tasks.append(asyncio.create_task(one_request(client, url, model, prompt, max_tokens, ignore_eos)))
         t += rng.expovariate(rate)
     return tasks
 
 
 async def closed_loop(client, url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int,
-                      results: list[Result]) -> None:
+                      results: list[Result], ignore_eos: bool = False) -> None:
     """`concurrency` streams, each sending its next prompt as soon as its previous answer is complete; appends
     to results as they come."""
     todo = iter(prompts)
 
     async def stream() -> None:
         for prompt in todo:  # the streams share one iterator: each prompt is sent once
-            results.append(await one_request(client, url, model, prompt, max_tokens))
+            results.append(await one_request(client, url, model, prompt, max_tokens, ignore_eos))
 
     await asyncio.gather(*(stream() for _ in range(concurrency)))
 
@@ -164,7 +166,8 @@ async def load_point(client, args: argparse.Namespace, model: str, mode: str, va
     deadline = t0 + args.timeout_s
     results: list[Result] = []
     if mode == "rate":
-        tasks = await open_loop(client, args.url, model, prompts, args.max_tokens, value, rng, deadline)
+        tasks = await open_loop(client, args.url, model, prompts, args.max_tokens, value, rng, deadline,
+                                args.ignore_eos)
         done, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
         for task in pending:
             task.cancel()
@@ -173,7 +176,7 @@ async def load_point(client, args: argparse.Namespace, model: str, mode: str, va
     else:
         try:
             await asyncio.wait_for(closed_loop(client, args.url, model, prompts, args.max_tokens, int(value),
-                                               results), args.timeout_s)
+                                               results, args.ignore_eos), args.timeout_s)
         except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
             pass
     wall = time.perf_counter() - t0
@@ -208,7 +211,8 @@ def table(points: list[dict]) -> str:
     return "\n".join([head, *rows])
 
 
-async def run_async(args: argparse.Namespace) -> list[dict]:
+async def measure(args: argparse.Namespace) -> tuple[str, list[dict]]:
+    """The served model's name and every load point's summary (progress on stderr)."""
     try:
         import httpx2 as httpx  # the maintained HTTPX, which the openai client depends on
     except ImportError:
@@ -235,6 +239,11 @@ async def run_async(args: argparse.Namespace) -> list[dict]:
             p = points[-1]
             print(f"{mode} {value:g}: {p['ok']} ok, {p['failed']} failed, {p['output_tokens_per_s']:.1f} "
                   f"output tok/s{' | errors: ' + '; '.join(p['errors']) if p['errors'] else ''}", file=sys.stderr)
+    return model, points
+
+
+async def run_async(args: argparse.Namespace) -> list[dict]:
+    model, points = await measure(args)
     print(f"model {model} | {args.requests} requests per load point | max_tokens {args.max_tokens} | prompts "
           f"{args.min_words}-{args.max_words} words | seed {args.seed}\n")
     print(table(points))
@@ -254,8 +263,8 @@ RANGES = {"rates": Range(0, 1e6, above=True), "concurrency": Range(1, 10_000), "
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m scripts.loadtest", description="Load-test serve.py: streaming completions at Poisson arrival rates "
-                                "and/or N concurrent closed-loop streams; prints a markdown table.")
+        prog="python -m scripts.loadtest", description="Load-test serve.py: streaming completions at Poisson "
+        "arrival rates and/or N concurrent closed-loop streams; prints a markdown table.")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback only)")
     p.add_argument("--rates", type=float, nargs="+", default=None, metavar="R",
                    help="open loop: Poisson arrivals at R requests/s, one load point per R")
@@ -263,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="closed loop: N concurrent streams, one load point per N")
     p.add_argument("--requests", type=int, default=32, help="requests per load point")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (greedy)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate all --max-tokens (vLLM's ignore_eos)")
     p.add_argument("--min-words", type=int, default=16, help="shortest prompt, in words of the text")
     p.add_argument("--max-words", type=int, default=256, help="longest prompt, in words of the text")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")

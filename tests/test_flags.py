@@ -11,7 +11,8 @@ from cli import Range, check_output_file, check_ranges
 
 # entry point -> the flags it needs besides the one under test (none of them loads anything before the check)
 ENTRY_POINTS = {"scripts.bench": [], "scripts.export": ["--mode", "int4", "--out", "unused-out"],
-                "scripts.quality": [], "scripts.loadtest": ["--concurrency", "1"], "scripts.streaming": []}
+                "scripts.quality": [], "scripts.loadtest": ["--concurrency", "1"], "scripts.streaming": [],
+                "scripts.servebench": []}
 VALUES = (0, -1, 10**30)
 
 

@@ -197,7 +197,7 @@ def check_args(args: argparse.Namespace) -> Plan:
     constraint = constraint_of(args)
     if constraint is not None:
         check_constraint(constraint)
-    check_tool_flags(args, constraint)
+    check_tool_flags(args)
     check_inputs(args)
     for flag, mode in (("--quantize", args.quantize), ("--draft-quantize", args.draft_quantize)):
         if mode is not None and (mode, flag) != ("none", "--quantize"):
@@ -253,8 +253,9 @@ def check_speculation(args: argparse.Namespace, params: SamplingParams, constrai
             raise ValueError(f"{flag} is not supported with speculative decoding")
 
 
-def check_tool_flags(args: argparse.Namespace, constraint: Constraint | None) -> None:
-    """--tools' combinations: it needs --chat and one conversation, and is a constraint of its own."""
+def check_tool_flags(args: argparse.Namespace) -> None:
+    """--tools' combinations: it needs --chat and one conversation (a structured-output flag with it is the format
+    of an answer that is no call)."""
     if args.tools is None:
         for flag, value in (("--tool-choice", args.tool_choice), ("--tool-call-parser", args.tool_call_parser)):
             if value is not None:
@@ -263,9 +264,6 @@ def check_tool_flags(args: argparse.Namespace, constraint: Constraint | None) ->
         raise ValueError("--tools needs --chat (the tools are rendered with the chat template)")
     elif args.prompts_file:
         raise ValueError("--tools takes one conversation (--prompt or --interactive), not --prompts-file")
-    elif constraint is not None:
-        raise ValueError("--tools constrains the calls itself; it cannot take --json-schema, --json-object, --regex "
-                         "or --grammar")
 
 
 def window_of(args: argparse.Namespace) -> SinkWindow | None:
@@ -423,7 +421,7 @@ def run(args: argparse.Namespace) -> None:
     # auto compiles where it pays: an answer long enough, or a chat once its answers have decoded as many
     n_new = None if args.interactive else new_tokens(args.max_new_tokens, max(map(len, prompts)), context, what)
     step = Step(model, args.compile, args.compile_prefill, args.deterministic, n_new, pay_as_you_go=args.interactive)
-    constraint = plan.constraint or (tools.constraint if tools is not None else None)
+    constraint = plan.constraint if tools is None else tools.constraint_with(plan.constraint) or plan.constraint
     grammar = None if constraint is None else Compiler(tokenizer, model.args.vocab_size).compile(constraint)
     grammar = grammar if tools is None or grammar is None else tools.grammar(grammar)  # a repeated call ends it
     setup = setup_summary(plan, args, model, shard, context, from_config, constraint, tools)

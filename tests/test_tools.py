@@ -571,7 +571,6 @@ def test_auto_constrains_a_call_once_it_opens(smollm2):
 @pytest.mark.parametrize("flags, fragment", [
     (["--prompt", "hi", "--tools", "T"], "error: --tools needs --chat"),
     (["--chat", "--prompt", "hi", "--tool-choice", "auto"], "error: --tool-choice needs --tools"),
-    (["--chat", "--prompt", "hi", "--tools", "T", "--json-object"], "error: --tools constrains the calls itself"),
     (["--chat", "--prompt", "hi", "--tools", "missing.json"], "error: tools file 'missing.json' does not exist"),
     (["--chat", "--prompt", "hi", "--tools", "T", "--tool-choice", "get_time"],
      "error: --tools T: tool_choice.function.name \"get_time\" is not one of the tools' names (get_weather)"),
@@ -650,3 +649,20 @@ def test_schema_keywords_llguidance_lacks_are_ignored_in_tools(smollm2_tokenizer
     call = FORMATS["hermes"].calls_text
     assert accepts(compiler, smollm2_tokenizer, grammar, call([("tag", '{"labels": {"a": 1}, "n": 2}')]))
     assert not accepts(compiler, smollm2_tokenizer, grammar, call([("tag", '{"labels": {"a": 1}, "n": "2"}')]))
+
+
+@pytest.mark.slow
+def test_cli_tools_with_a_json_schema(smollm2_gguf, tmp_path, capsys):
+    """--tools with --json-schema is one grammar, as on the server: tool_choice none leaves the answer, which
+    follows the schema."""
+    import generate
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"]}
+    (tmp_path / "tools.json").write_text(json.dumps([WEATHER]))
+    assert generate.main(["--model", smollm2_gguf, "--chat", "--prompt", "Is it sunny in Oslo? Answer in JSON.",
+                          "--tools", str(tmp_path / "tools.json"), "--tool-choice", "none", "--json-schema",
+                          json.dumps(schema), "--max-new-tokens", "60", "--compile", "none", "--temperature", "0",
+                          "--quiet"]) == 0
+    out = capsys.readouterr().out
+    jsonschema.validate(json.loads(out), schema)

@@ -16,6 +16,7 @@ from serving.protocol import BadRequest, Call, get, parse_capped, parse_json
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "temperature",
           "top_p", "stream", "store", "previous_response_id", "parallel_tool_calls", "reasoning", "metadata"}
 STORED = 256  # responses kept for previous_response_id, the oldest forgotten first
+STORED_CHARS = 2 ** 26  # and their JSON text at most (64 Mi characters: 16 bodies at --max-body-bytes' 4 MiB)
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -24,25 +25,33 @@ def new_id(prefix: str) -> str:
 
 
 class Store:
-    """Recent responses by id (at most `size`), each with the conversation that led to it and its output as chat
-    messages, so a request can continue from it. Read on worker threads, written on the event loop: locked."""
+    """Recent responses by id (at most `size`, and their text at most `max_chars` in all: each holds its whole
+    conversation, so a long previous_response_id chain grows as its square), each with the conversation that led
+    to it and its output as chat messages, so a request can continue from it. Read on worker threads, written on
+    the event loop: locked."""
 
-    def __init__(self, size: int = STORED):
-        self.size, self.items, self.lock = size, OrderedDict(), threading.Lock()
+    def __init__(self, size: int = STORED, max_chars: int = STORED_CHARS):
+        self.size, self.max_chars, self.items, self.lock = size, max_chars, OrderedDict(), threading.Lock()
+        self.chars = 0
 
     def put(self, response: dict, messages: list[dict]) -> None:
+        chars = len(json.dumps([response, messages]))
         with self.lock:
-            self.items[response["id"]] = (response, messages)
-            while len(self.items) > self.size:
-                self.items.popitem(last=False)
+            self.items[response["id"]] = (response, messages, chars)
+            self.chars += chars
+            while len(self.items) > self.size or (self.chars > self.max_chars and len(self.items) > 1):
+                self.chars -= self.items.popitem(last=False)[1][2]
 
     def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
         with self.lock:
-            return self.items.get(response_id)
+            item = self.items.get(response_id)
+        return None if item is None else item[:2]
 
     def delete(self, response_id: str) -> bool:
         with self.lock:
-            return self.items.pop(response_id, None) is not None
+            item = self.items.pop(response_id, None)
+            self.chars -= 0 if item is None else item[2]
+        return item is not None
 
 
 def text_of(content, where: str) -> str:

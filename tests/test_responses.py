@@ -43,6 +43,12 @@ def test_items_become_chat_messages_and_the_store_continues_a_conversation():
     store.put({"id": "resp_2"}, [])
     store.put({"id": "resp_3"}, [])  # over the size: the oldest goes
     assert store.get("resp_1") is None and store.delete("resp_3") and not store.delete("resp_3")
+    small = Store(size=10, max_chars=250)
+    for k in range(5):
+        small.put({"id": f"r{k}"}, [{"role": "user", "content": "x" * 60}])  # 109 characters each
+    assert [small.get(f"r{k}") is not None for k in range(5)] == [False, False, False, True, True]
+    small.put({"id": "huge"}, [{"role": "user", "content": "x" * 1000}])  # alone over the bound: kept, alone
+    assert small.get("huge") is not None and small.get("r4") is None and small.chars < 1100
 
 
 @pytest.mark.parametrize("change, param, words", [

@@ -20,13 +20,15 @@ more than 1/N.
 
 A rank's shard is a smaller model: ModelArgs with its query heads, kv heads (or one replicated kv head when K < N)
 and MLP units, so its KV cache holds only its own kv heads. Heads go to ranks in whole kv-head groups, as evenly as
-they go (SmolLM2's 3 groups of 3 heads over 2 ranks: 6 and 3), the MLP in groups of 32 units (GROUP). Quantized
+they go (SmolLM2's 3 groups of 3 heads over 2 ranks: 6 and 3), the MLP in groups of 32 units (GROUP), more of them
+to a rank with fewer heads, so that the ranks' weights (and decode steps) come out even. Quantized
 codes are sliced as they are, never dequantized: rows freely, and the columns of o_proj / down_proj at group
 boundaries, which the splits above respect (a model whose head width is not a multiple of 32 cannot keep a GGUF's
 codes: a ValueError names the shapes). NCCL on CUDA, gloo on CPU; torchrun's RANK / WORLD_SIZE / LOCAL_RANK say
 who is who.
 """
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -51,6 +53,20 @@ def spans(n: int, world: int) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:]))
 
 
+def balanced(units: int, extra: list[float]) -> list[int]:
+    """units over len(extra) ranks so that extra[r] + units_r come out as even as they go: the ideal shares rounded
+    down, the largest remainders (the first rank on a tie) one more; spans() where a rank would get none."""
+    w = len(extra)
+    ideal = [(units + sum(extra)) / w - e for e in extra]
+    counts = [math.floor(x) for x in ideal]
+    if min(counts) < 1 or sum(counts) > units:
+        return [stop - start for start, stop in spans(units, w)]
+    for r in sorted(range(w), key=lambda r: (counts[r] - ideal[r], r))[:units - sum(counts)]:
+        counts[r] += 1
+    assert sum(counts) == units, f"{counts} vs {units}"
+    return counts
+
+
 @dataclass(frozen=True)
 class Shard:
     """This process's place in a tensor-parallel group: rank of world."""
@@ -73,13 +89,19 @@ class Shard:
         return self.rank * (H // w), H // w, self.rank * K // w, 1
 
     def mlp(self, full: ModelArgs) -> tuple[int, int]:
-        """[start, stop) of this rank's MLP units: whole groups of GROUP where there are enough of them."""
+        """[start, stop) of this rank's MLP units, whole groups of GROUP where there are enough of them. Where the
+        heads fall unevenly, a rank with fewer takes more units, so that every rank holds about the same weights
+        (SmolLM2 on 2 ranks: 6 heads and 672 units, 3 heads and 864)."""
         width, w = full.hidden_dim, self.world
-        unit = GROUP if width % GROUP == 0 and width // GROUP >= w else 1
         if width < w:
             raise ValueError(f"tensor parallel: the MLP width {width} cannot be split over {w} ranks")
-        start, stop = spans(width // unit, w)[self.rank]
-        return start * unit, stop * unit
+        unit = GROUP if width % GROUP == 0 and width // GROUP >= w else 1
+        # weights per model dim: q, o (H*D each), k, v (K*D each); gate, up, down of every expert per MLP unit
+        attention = [2 * (nq + nk) * full.head_dim for _, nq, _, nk in (Shard(r, w).heads(full) for r in range(w))]
+        per_unit = 3 * (full.n_experts or 1) * unit
+        counts = balanced(width // unit, [a / per_unit for a in attention])
+        start = sum(counts[:self.rank]) * unit
+        return start, start + counts[self.rank] * unit
 
     def vocab(self, full: ModelArgs) -> tuple[int, int]:
         """[start, stop) of this rank's vocabulary rows: ceil(V/world) each, the last rank the rest."""

@@ -21,11 +21,10 @@ more than 1/N.
 A rank's shard is a smaller model: ModelArgs with its query heads, kv heads (or one replicated kv head when K < N)
 and MLP units, so its KV cache holds only its own kv heads. Heads go to ranks in whole kv-head groups, as evenly as
 they go (SmolLM2's 3 groups of 3 heads over 2 ranks: 6 and 3), the MLP in groups of 32 units (GROUP), more of them
-to a rank with fewer heads, so that the ranks' weights (and decode steps) come out even. Quantized
-codes are sliced as they are, never dequantized: rows freely, and the columns of o_proj / down_proj at group
-boundaries, which the splits above respect (a model whose head width is not a multiple of 32 cannot keep a GGUF's
-codes: a ValueError names the shapes). NCCL on CUDA, gloo on CPU; torchrun's RANK / WORLD_SIZE / LOCAL_RANK say
-who is who.
+to a rank with fewer heads, so that the ranks' weights (and decode steps) come out even. Quantized codes are sliced
+as they are, never dequantized: rows freely, and the columns of o_proj / down_proj at group boundaries, which the
+splits above respect where they can (one head of dim 16 a rank cannot: a ValueError names the shapes). NCCL on
+CUDA, gloo on CPU; torchrun's RANK / WORLD_SIZE / LOCAL_RANK say who is who.
 """
 import dataclasses
 import math

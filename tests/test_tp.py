@@ -52,17 +52,18 @@ def run_tp(world: int, model_dir: str, out_dir: str, quantize: str | None = None
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
-def tiny_gguf(path, heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int) -> str:
+def tiny_gguf(path, heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int,
+              tied: bool = True) -> str:
     """A random 2-layer llama written as SmolLM2's file is: Q4_1 block linears, a Q8_0 embedding tied to the head
-    (vocabulary 160)."""
+    (vocabulary 160); untied, a Q8_0 `output` and a float32 embedding."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=160, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                          max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
-                         tie_word_embeddings=True)
-    return write_llama_gguf(path, LlamaForCausalLM(config).eval(), "Q4_1", {"token_embd": "Q8_0"})
+                         tie_word_embeddings=tied)
+    return write_llama_gguf(path, LlamaForCausalLM(config).eval(), "Q4_1", {"token_embd" if tied else "output": "Q8_0"})
 
 
 @pytest.fixture(scope="module")
@@ -161,16 +162,17 @@ def test_uneven_splits_take_whole_kv_groups_and_even_out_the_weights():
     assert tp.balanced(2, [5.0, 0.0]) == [1, 1]  # no rank left without units: spans()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_each_rank_holds_its_slice_of_the_files_codes(q4_gguf, world):
+@pytest.mark.parametrize("world,tied", [(2, True), (3, True), (2, False)])
+def test_each_rank_holds_its_slice_of_the_files_codes(q4_gguf, tmp_path, world, tied):
     """Loading a Q4_1 / Q8_0 file's shard keeps the codes: every rank's block linears are int4 whose weights are
     exactly its slice of one process's (rows of q/k/v/gate/up, columns of o_proj/down_proj cut between groups),
     its head the Q8_0 codes of its vocabulary rows, its embedding those rows; and its weight bytes about 1/world."""
-    one, _ = load_model(q4_gguf, "cpu", torch.float32)
+    path = q4_gguf if tied else tiny_gguf(tmp_path / "untied.gguf", 6, 3, 32, 96, 192, tied=False)
+    one, _ = load_model(path, "cpu", torch.float32)
     whole, whole_bytes, held = code_weights(one), q.weight_bytes(one), []
     for r in range(world):
         shard = tp.Shard(r, world)
-        model, _ = load_model(q4_gguf, "cpu", torch.float32, shard=shard)
+        model, _ = load_model(path, "cpu", torch.float32, shard=shard)
         assert q.describe(model) == q.describe(one) == "int4:32 (+head int8:32)"
         mine = code_weights(model)
         assert mine.keys() == whole.keys()

@@ -351,10 +351,14 @@ def new_tokens(asked: int | None, prompt_tokens: int, context: int, what: str = 
 def setup_summary(plan: Plan, args: argparse.Namespace, model: Transformer, shard, context: int, from_config: dict,
                   constraint: Constraint | None, tools: ToolRequest | None) -> str:
     """The summary line's tail: the sharding, what decode reads per token (weights 87.1 MB int4:64 (+head), kv
-    int8), the window, the context, the sampling defaults read from the checkpoint and the constraint."""
+    int8; under tensor parallel each rank's), the window, the context, the checkpoint's sampling, the constraint."""
     label = describe(model)  # read off every block linear: a Q4_K_M file's first o_proj may be dequantized
-    setup = f" | tensor parallel x{shard.world} (this rank's weights)" if shard is not None else ""
-    setup += f" | weights {weight_bytes(model) / 1e6:.1f} MB" + ("" if label == "float" else " " + label)
+    if shard is None:
+        setup = f" | weights {weight_bytes(model) / 1e6:.1f} MB"
+    else:  # every rank's, gathered (rank 0 prints them)
+        per_rank = " + ".join(f"{n / 1e6:.1f}" for n in tp.each_rank(weight_bytes(model)))
+        setup = f" | tensor parallel x{shard.world} | weights per rank {per_rank} MB"
+    setup += "" if label == "float" else " " + label
     setup += " | kv int8" if args.kv_cache_dtype == "int8" else ""
     setup += f" | kv window {args.cache_window} ({plan.window.sinks} sinks)" if plan.window is not None else ""
     setup += f" | context {context}" if args.ctx_size else ""

@@ -118,9 +118,10 @@ def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progr
     while loading; None loads the checkpoint as it is: a quantized folder as saved, a GGUF file's Q4_0/Q4_1/Q4_K
     linears as int4:32 codes (GGUFRoutes), anything else in dtype; 'none' dequantizes a GGUF file's
     quantized tensors too. A quantized folder cannot be re-quantized: a different `quantize` for it is an error.
-    shard (a tp.Shard) loads only this rank's slices into its smaller model (safetensors: only those bytes
-    are read), ready for tp.install. cache_dir: a GGUF file loaded onto the CPU whole reads its converted tensors
-    from there when an earlier load wrote them, else writes them (weightcache.py); None converts every time."""
+    shard (a tp.Shard) loads only this rank's slices into its smaller model (a GGUF's codes sliced as codes;
+    where a slice is rows, only its bytes are read), ready for tp.install. cache_dir: a GGUF file loaded onto the
+    CPU whole reads its converted tensors from there when an earlier load wrote them, else writes them
+    (weightcache.py); None converts every time."""
     request = Quantization.parse(quantize, quantize_head)
     path = resolve_model_path(model)
     if os.path.isdir(path):
@@ -194,7 +195,7 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, reques
                          "original weights with --quantize instead")
 
     with torch.device("meta"):
-        model = Transformer(shard.args(full_args) if shard else full_args)
+        model = shard.model(full_args) if shard else Transformer(full_args)
     if saved is not None:  # the saved modules first: the file holds their buffers
         swap_linears(model, *saved)
     handles, found = hffolder.open_safetensors(path, files)
@@ -258,13 +259,14 @@ class GGUFRoutes:
                shard) -> "GGUFRoutes":
         """A block linear (slots: checkpoint module -> ours, so q/k/v are qkv_proj's parts) takes the file's codes
         when each of its parts is Q4_0/Q4_1/Q4_K (4-bit blocks of 32) and nothing asks for other modules: another
-        mode, a quantized head (quantized from the dequantized embedding), a shard (which slices dequantized rows).
+        mode, a quantized head (quantized from the dequantized embedding). A shard slices the codes as they are
+        (tp.Shard.take_codes; load_gguf refuses a cut inside a group before any reading).
         The others dequantize: a Q4_K_M file's Q6_K attn_v makes its layer's qkv_proj float."""
         kinds: dict[str, set[str]] = {}  # our block linear -> its parts' block types
         for name, t in tensors.items():
             if name.startswith("layers.") and name.endswith("_proj.weight"):
                 kinds.setdefault(slots[name.removesuffix(".weight")][0], set()).add(t.tensor_type.name)
-        as_codes = shard is None and not request.head and (request.as_stored or request.mode == "int4:32")
+        as_codes = not request.head and (request.as_stored or request.mode == "int4:32")
         codes = frozenset(m for m, types in kinds.items() if types <= set(gguffile.INT4_TYPES)) if as_codes else \
             frozenset()
         # Without --quantize, a Q8_0 head runs as the file's codes, in a float32 model too: the kernel rounds the
@@ -273,7 +275,7 @@ class GGUFRoutes:
         # as a float32 matmul is not (greedy speculative == plain greedy, README, Exactness). It is the largest
         # matrix of a small model, read every step in 1.25 bytes a weight instead of bf16's 2.
         head = "lm_head.weight" if "lm_head.weight" in tensors else "embed_tokens.weight"  # tied: the embedding
-        q8_0 = request.as_stored and shard is None and tensors[head].tensor_type.name == "Q8_0"
+        q8_0 = request.as_stored and tensors[head].tensor_type.name == "Q8_0"  # a shard's: its vocabulary rows
         return cls(args, codes, head if q8_0 else None, arch in gguffile.PERMUTED_QK, shard)
 
     def swap_modules(self, model: Transformer, request: Quantization) -> None:
@@ -285,17 +287,25 @@ class GGUFRoutes:
             if not isinstance(linear, Int4Linear):
                 model.set_submodule(name, make_quantized_linear("int4", 32, linear, model.norm.weight.dtype))
         if self.q8_0_head:  # a tied embedding keeps its dequantized copy for the lookup
-            model.lm_head = Int8GroupLinear(model.args.dim, model.args.vocab_size, device="meta")
+            model.lm_head = Int8GroupLinear(model.args.dim, model.lm_head.out_features, device="meta")
+
+    def takes_codes(self, name: str, slots: dict[str, tuple[str, int]]) -> bool:
+        """Whether checkpoint tensor `name` loads as the file's int4 codes (slots: Filler.slots)."""
+        return name.endswith("_proj.weight") and slots[name.removesuffix(".weight")][0] in self.codes
 
     def put(self, filler: Filler, name: str, t, shape: tuple[int, ...]) -> None:
+        region = self.shard.region(name, self.args) if self.shard else None
+        if region is not None and region[0] == 0:  # a shard's rows: only they are read (GGUF blocks pack whole rows)
+            t, shape, region = gguffile.row_range(t, *region[1:]), (region[2] - region[1], *shape[1:]), None
         if name == self.q8_0_head:
             filler.put_head_codes(name, *gguffile.q8_0_blocks(t, shape))
             if name == "lm_head.weight":
                 return  # untied; a tied head's matrix is also the embedding, dequantized below
-        heads = self.args.n_heads if "q_proj" in name else self.args.n_kv_heads
+        heads = shape[0] // self.args.head_dim  # whole heads (a shard's too), each permuted on its own
         qk = self.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight"))
-        if name.endswith("_proj.weight") and filler.slots[name.removesuffix(".weight")][0] in self.codes:
+        if self.takes_codes(name, filler.slots):
             blocks = gguffile.int4_blocks(t, shape)
+            blocks = self.shard.take_codes(name, *blocks, self.args) if region else blocks  # columns, group-wise
             filler.put_int4_blocks(name, *(gguffile.unpermute_qk(x, heads) if qk else x for x in blocks))
             return
         try:
@@ -304,7 +314,7 @@ class GGUFRoutes:
             raise ValueError(f"cannot dequantize GGUF tensor {name!r} ({t.tensor_type.name}): {e}") from None
         if qk:
             w = gguffile.unpermute_qk(w, heads)
-        filler.put(name, self.shard.take(name, w, self.args) if self.shard else w)  # GGUF blocks pack whole rows
+        filler.put(name, self.shard.take(name, w, self.args) if region else w)
 
 
 def with_rope_freqs(args: ModelArgs, rope_freqs, path: str) -> ModelArgs:
@@ -336,11 +346,14 @@ def load_gguf(path: str, device: torch.device, dtype: torch.dtype, progress: boo
         tensors.pop(name, None)
         full_shapes.pop(name, None)
     with torch.device("meta"):
-        model = Transformer(shard.args(full_args) if shard else full_args)
+        model = shard.model(full_args) if shard else Transformer(full_args)
     shapes = {k: shard.local_shape(k, v, full_args) for k, v in full_shapes.items()} if shard else full_shapes
     check_tensors(checkpoint_shapes(model), shapes, path)
     filler = Filler(model, device, dtype, path)
     routes = GGUFRoutes.decide(tensors, filler.slots, full_args, arch, request, shard)
+    for name in tensors if shard is not None else ():  # before any reading: a cut inside a quantization group
+        if routes.takes_codes(name, filler.slots):
+            shard.check_group_cut(name, full_shapes[name], full_args)
     routes.swap_modules(model, request)
     entry = None if cache_dir is None or shard is not None or device.type != "cpu" else \
         weightcache.Entry.of(cache_dir, path, device, dtype, request)

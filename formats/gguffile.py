@@ -174,6 +174,12 @@ class ExpertSlice:
     tensor_type: object
 
 
+def row_range(t, start: int, stop: int) -> ExpertSlice:
+    """Rows start:stop of a file tensor (a tensor-parallel rank's), read as a whole tensor is: GGUF blocks pack
+    whole rows, so only those rows' bytes are read."""
+    return ExpertSlice(t.data[start:stop], t.tensor_type)
+
+
 def named_tensors(file_tensors: list[GGUFTensor], arch: str = "llama") -> tuple[dict, dict[str, tuple]]:
     """The file's tensors under our names ({name: GGUFTensor or ExpertSlice}) and their torch shapes: a stacked
     `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C); a phi3 file's

@@ -163,6 +163,13 @@ def test_the_openai_sdk_creates_streams_and_continues_with_function_outputs(smol
         await client.responses.delete(after.id)
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(after.id)
+        report = {"type": "object", "properties": {"city": {"type": "string"}, "weather": {"type": "string"}},
+                  "required": ["city", "weather"], "additionalProperties": False}
+        typed = await client.responses.create(  # what the Agents SDK sends for an agent with tools and output_type
+            input="Give a weather report for Paris.", **weather,
+            text={"format": {"type": "json_schema", "name": "Report", "schema": report, "strict": True}})
+        kinds = [o.type for o in typed.output]
+        assert kinds == ["function_call"] or set(json.loads(typed.output_text)) == {"city", "weather"}, kinds
         with pytest.raises(openai.BadRequestError, match="web_search"):
             await client.responses.create(model="m", input="hi", tools=[{"type": "web_search"}])
 

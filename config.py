@@ -7,10 +7,11 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", *GEMMA)  # those whose sliding_window applies
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")  # llama.cpp's general.architecture
+# llama.cpp's general.architecture
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe")
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -54,6 +55,21 @@ def gemma_args(cfg: dict, n_layers: int, gemma3: bool) -> dict:
                 attn_scale=number("query_pre_attn_scalar", 256) ** -0.5,
                 attn_softcap=number("attn_logit_softcapping", None if gemma3 else 50.0),
                 final_softcap=number("final_logit_softcapping", None if gemma3 else 30.0))
+
+
+def qwen3_moe_args(cfg: dict, n_layers: int) -> dict:
+    """Qwen3-MoE's expert width and routing, and its dense layers as transformers picks them: those listed in
+    mlp_only_layers, and those whose number + 1 is not a multiple of decoder_sparse_step."""
+    width, step = cfg.get("moe_intermediate_size"), cfg.get("decoder_sparse_step") or 1
+    only, renormalize = cfg.get("mlp_only_layers") or [], cfg.get("norm_topk_prob", False)
+    if not isinstance(only, list) or not all(isinstance(i, int) and 0 <= i < n_layers for i in only):
+        raise ValueError(f"config.json mlp_only_layers must list layer numbers below {n_layers}, got {only!r}")
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"config.json norm_topk_prob must be true or false, got {renormalize!r}")
+    step = positive_int(step, "config.json decoder_sparse_step")
+    dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+    return dict(moe_hidden_dim=positive_int(width, "config.json moe_intermediate_size"), moe_renormalize=renormalize,
+                dense_layers=dense)
 
 
 def gemma3_rope(cfg: dict, rope: dict) -> tuple[dict, float]:
@@ -163,6 +179,9 @@ class ModelArgs:
     tie_embeddings: bool = False
     n_experts: int | None = None  # Mixtral: a sparse mixture of SwiGLU experts per layer; None: one dense MLP
     n_experts_per_token: int = 2  # Mixtral: experts each token is routed to (top-k)
+    moe_hidden_dim: int | None = None  # Qwen3-MoE: each expert's width (moe_intermediate_size); None: hidden_dim
+    moe_renormalize: bool = True  # the top-k routing weights rescaled to sum to 1 (Qwen3-MoE's norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with one dense MLP of hidden_dim (mlp_only_layers)
     qkv_bias: bool = False  # Qwen2: q_proj, k_proj and v_proj have biases
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused, as we run them
@@ -214,6 +233,8 @@ class ModelArgs:
         if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
             raise ValueError(f"rope_scaling high_freq_factor {scaling['high_freq_factor']} must be greater than "
                              f"low_freq_factor {scaling['low_freq_factor']} (llama3 rope divides by their difference)")
+        if any(not 0 <= i < self.n_layers for i in self.dense_layers):
+            raise ValueError(f"dense layers {self.dense_layers} are not all within 0..{self.n_layers - 1}")
         if self.n_experts is not None and not 1 <= self.n_experts_per_token <= self.n_experts:
             raise ValueError(f"{self.n_experts_per_token} experts per token is not within 1..{self.n_experts} experts")
 
@@ -252,7 +273,7 @@ class ModelArgs:
         tie = cfg.get("tie_word_embeddings", gemma)  # transformers' default: Gemma's configs leave it out, tied
         if not isinstance(tie, bool):
             raise ValueError(f"config.json tie_word_embeddings must be true or false, got {tie!r}")
-        moe = archs[0] == "MixtralForCausalLM"
+        moe = archs[0] in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
         return cls(
             vocab_size=size("vocab_size"),
             dim=size("hidden_size"),
@@ -268,10 +289,13 @@ class ModelArgs:
             # Qwen's config.json sets sliding_window but uses it only with use_sliding_window
             sliding_window=size("sliding_window") if archs[0] in WINDOWED else None,
             tie_embeddings=tie,
-            n_experts=size("num_local_experts", 8) if moe else None,
+            # Qwen3-MoE's hub configs say num_experts, transformers 5 writes num_local_experts
+            n_experts=size("num_local_experts", 8 if archs[0] == "MixtralForCausalLM" else cfg.get("num_experts"))
+            if moe else None,
             n_experts_per_token=size("num_experts_per_tok", 2) if moe else 2,
+            **(qwen3_moe_args(cfg, size("num_hidden_layers")) if archs[0] == "Qwen3MoeForCausalLM" else {}),
             qkv_bias=archs[0] == "Qwen2ForCausalLM",
-            qk_norm=archs[0] in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),  # Gemma 3's with norm_plus_one
+            qk_norm=archs[0] in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),  # Gemma 3's: 1 + w
             fused_checkpoint=archs[0] == "Phi3ForCausalLM",
             rope_dim=None if partial == 1 else int(head_dim * partial),  # rounded down, as transformers does
             **(gemma_args(cfg, size("num_hidden_layers"), archs[0] == "Gemma3ForCausalLM") if gemma else {}),
@@ -322,7 +346,9 @@ class ModelArgs:
             n_experts=n_experts,
             n_experts_per_token=size("expert_used_count", 2) if n_experts else 2,
             qkv_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
+            # llama.cpp's qwen3moe: every layer sparse, experts of expert_feed_forward_length, top-k renormalized
+            moe_hidden_dim=size("expert_feed_forward_length") if arch == "qwen3moe" else None,
             fused_checkpoint=arch == "phi3",  # attn_qkv, and ffn_up holding gate | up
             sliding_window=positive_int(window, f"GGUF metadata {arch}.attention.sliding_window") if window else None,
             rope_dim=size("rope.dimension_count") if arch == "phi3" and f"{arch}.rope.dimension_count" in meta
@@ -335,17 +361,20 @@ class ModelArgs:
         return args
 
     def to_hf_config(self) -> dict:
-        """A Hugging Face config.json (LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
-        Phi3ForCausalLM) that from_hf_config reads back as these args (export.py writes it for a GGUF source)."""
+        """A Hugging Face config.json (LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+        Qwen3MoeForCausalLM or Phi3ForCausalLM) that from_hf_config reads back as these args (export.py writes it for a
+        GGUF source)."""
         if self.rope_freq_factors is not None:
             raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
                              "cannot express; save from the Hugging Face checkpoint instead")
         if self.sliding_window is not None or self.sandwich_norms:
             raise ValueError("sliding-window and Gemma models are saved from their Hugging Face folder, not from GGUF")
         moe = self.n_experts is not None
-        model_type = ("mixtral" if moe else "qwen2" if self.qkv_bias else "qwen3" if self.qk_norm else
+        model_type = ("qwen3_moe" if moe and self.qk_norm else "mixtral" if moe else
+                      "qwen2" if self.qkv_bias else "qwen3" if self.qk_norm else
                       "phi3" if self.fused_checkpoint else "llama")
-        arch = ARCHITECTURES[("llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3").index(model_type)]
+        arch = ARCHITECTURES[("llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "", "", "qwen3_moe")
+                             .index(model_type)]
         cfg = {
             "architectures": [arch],
             "model_type": model_type, "vocab_size": self.vocab_size,
@@ -359,6 +388,10 @@ class ModelArgs:
             cfg["rope_scaling"] = dict(self.rope_scaling)
         if self.rope_dim != self.head_dim:
             cfg["partial_rotary_factor"] = self.rope_dim / self.head_dim
-        if moe:
+        if model_type == "mixtral":
             cfg.update(num_local_experts=self.n_experts, num_experts_per_tok=self.n_experts_per_token)
+        elif moe:
+            cfg.update(num_experts=self.n_experts, num_experts_per_tok=self.n_experts_per_token,
+                       moe_intermediate_size=self.moe_hidden_dim, norm_topk_prob=self.moe_renormalize,
+                       mlp_only_layers=list(self.dense_layers))
         return cfg

@@ -135,6 +135,13 @@ def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progr
     return load_gguf(path, torch.device(device), dtype, progress, request, shard, cache_dir), path
 
 
+def check_shardable(args: ModelArgs, shard) -> None:
+    """Tensor parallel (a shard) splits the dense width and Mixtral's experts; a ValueError for what it cannot."""
+    if shard is not None and args.moe_hidden_dim is not None:
+        raise ValueError("tensor parallel does not split Qwen3-MoE's experts (moe_intermediate_size); run it on one "
+                         "device")
+
+
 def release_freed_memory() -> None:
     """Hand freed heap memory back to the OS: glibc keeps the per-tensor temporaries (float32 copies, quantization
     intermediates) fragmented, so without this the peak RSS of a load grows with every tensor. A no-op off glibc."""
@@ -184,6 +191,7 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, reques
         raise FileNotFoundError(f"no config.json in model folder {path!r}")
     config = hffolder.read_json(config_file)
     full_args = ModelArgs.from_hf_config(config)
+    check_shardable(full_args, shard)
     files = hffolder.safetensors_files(path)
     packed = hfquant.packed_format(config, config_file)
     if packed is not None:
@@ -332,6 +340,7 @@ def load_gguf(path: str, device: torch.device, dtype: torch.dtype, progress: boo
     arch = meta["general.architecture"]
     tensors, full_shapes = gguffile.named_tensors(file_tensors, arch)
     full_args = with_rope_freqs(full_args, tensors.pop("rope_freqs.weight", None), path)
+    check_shardable(full_args, shard)
     for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
         tensors.pop(name, None)
         full_shapes.pop(name, None)

@@ -1,5 +1,5 @@
-"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3)
-in plain PyTorch: the math only, the reference a device's own paths are tested against.
+"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE, Phi-3,
+Gemma 2/3) in plain PyTorch: the math only, the reference a device's own paths are tested against.
 
 Shape legend used in the comments:
   B batch, T tokens in this call, S key positions (cache length), C model width,
@@ -175,12 +175,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, width: int | None = None):
         super().__init__()
-        width = args.hidden_dim
+        width = width or args.hidden_dim
         parts = None if args.fused_checkpoint else {"gate_proj": width, "up_proj": width}
         self.gate_up_proj = Linear(args.dim, 2 * width, parts)  # rows gate | up
-        self.down_proj = Linear(args.hidden_dim, args.dim)
+        self.down_proj = Linear(width, args.dim)
         self.gelu = args.mlp_act == "gelu_pytorch_tanh"  # Gemma 2's GeGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,17 +193,17 @@ class Router(nn.Module):
     """Mixtral's gate: which k of the E experts each token goes to, and with what weights. Not a Linear, so
     quantization leaves it in model precision (a few E x C weights; a flipped choice would change the output)."""
 
-    def __init__(self, dim: int, n_experts: int, top_k: int):
+    def __init__(self, dim: int, n_experts: int, top_k: int, renormalize: bool = True):
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.renormalize = top_k, renormalize
         self.weight = nn.Parameter(torch.randn(n_experts, dim) / math.sqrt(dim))  # varied routing for random runs
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (M, C) -> float32 weights (M, k) summing to 1 and expert ids (M, k), as transformers computes them:
-        softmax over all E logits in float32, the top k, renormalized."""
+        """x (M, C) -> float32 weights (M, k) and expert ids (M, k), as transformers computes them: softmax over all
+        E logits in float32, the top k, renormalized to sum to 1 (Qwen3-MoE: unless norm_topk_prob is false)."""
         probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)  # (M, E)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (M, k) each
-        return weights / weights.sum(dim=-1, keepdim=True), ids
+        return weights / weights.sum(dim=-1, keepdim=True) if self.renormalize else weights, ids
 
 
 class MoE(nn.Module):
@@ -213,8 +213,8 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate = Router(args.dim, args.n_experts, args.n_experts_per_token)
-        self.experts = nn.ModuleList(MLP(args) for _ in range(args.n_experts))
+        self.gate = Router(args.dim, args.n_experts, args.n_experts_per_token, args.moe_renormalize)
+        self.experts = nn.ModuleList(MLP(args, args.moe_hidden_dim) for _ in range(args.n_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # (M, C)
@@ -243,7 +243,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(*norm)  # before the MLP; Gemma 2: after attention (sandwich norms)
         if args.sandwich_norms:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = RMSNorm(*norm), RMSNorm(*norm)
-        self.mlp = MLP(args) if args.n_experts is None else MoE(args)
+        self.mlp = MLP(args) if args.n_experts is None or i in args.dense_layers else MoE(args)
         self.sandwich = args.sandwich_norms
         # Gemma: only some layers see a sliding window; they take the second of Transformer.inputs' two masks (and,
         # Gemma 3, of its two RoPE tables).

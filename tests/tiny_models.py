@@ -34,6 +34,13 @@ CONFIGS = {
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "qwen3": ("qwen3", dict(head_dim=24)),
     "qwen3-tied": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
+    # Qwen3-MoE: Qwen3's q/k norms with experts narrower than the dense width; top-k renormalized, then not, with
+    # dense layers both ways transformers picks them (decoder_sparse_step 2: layer 0; mlp_only_layers: layer 2)
+    "qwen3moe-8x2": ("qwen3moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=24,
+                                      norm_topk_prob=True)),
+    "qwen3moe-dense-layers": ("qwen3moe", dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
+                                               moe_intermediate_size=32, norm_topk_prob=False, decoder_sparse_step=2,
+                                               mlp_only_layers=[2])),
     # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; longrope past the original context (the long factors
     # and attention factor sqrt(1 + ln 16 / ln 16)) and within it (short factors), with a window; Phi-4-mini's
     # partial rotary (12 of 16 dims, GQA) with tied embeddings
@@ -67,7 +74,8 @@ CONFIGS = {
                                              tie_word_embeddings=False, final_logit_softcapping=3.0,
                                              layer_types=["sliding_attention", "full_attention"])),
 }
-RANDOM_VECTORS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")  # families whose biases and norms are drawn at random
+# families whose biases and norms are drawn at random
+RANDOM_VECTORS = ("qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
 
 
 def make_hf(name: str, seed: int = 0, **overrides):
@@ -76,7 +84,7 @@ def make_hf(name: str, seed: int = 0, **overrides):
 
     family, extra = CONFIGS[name]
     prefix = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-              "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3Text"}[family]
+              "qwen3moe": "Qwen3Moe", "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3Text"}[family]
     config_cls = getattr(transformers, prefix + "Config")  # Gemma3Config is the multimodal model's
     model_cls = getattr(transformers, prefix.removesuffix("Text") + "ForCausalLM")
     kw = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,

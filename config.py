@@ -7,7 +7,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM")
+                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
+                 "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", *GEMMA)  # those whose sliding_window applies
 # llama.cpp's general.architecture
@@ -15,7 +17,8 @@ GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qw
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-               "longrope": ("original_max_position_embeddings",)}  # and its short_factor, long_factor lists
+               "longrope": ("original_max_position_embeddings",),  # and its short_factor, long_factor lists
+               "yarn": ("factor", "original_max_position_embeddings")}
 
 
 def positive_int(value, what: str) -> int:
@@ -70,6 +73,36 @@ def qwen3_moe_args(cfg: dict, n_layers: int) -> dict:
     dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
     return dict(moe_hidden_dim=positive_int(width, "config.json moe_intermediate_size"), moe_renormalize=renormalize,
                 dense_layers=dense)
+
+
+def deepseek_args(cfg: dict, arch: str, n_layers: int) -> dict:
+    """The ModelArgs fields of a DeepSeek-V2/V3 config.json: multi-head latent attention (head_dim is a query's and
+    key's nope + rope dims) and the MoE: experts after the first first_k_dense_replace layers, shared experts, V2's
+    softmax router (greedy, or group_limited_greedy) or V3's sigmoid one (noaux_tc: grouped, corrected, renormalized
+    with norm_topk_prob), the weights scaled by routed_scaling_factor."""
+    def size(key: str, default: int | None = None) -> int | None:
+        value = cfg.get(key, default)
+        return None if value is None else positive_int(value, f"config.json {key}")
+
+    v3, experts = arch == "DeepseekV3ForCausalLM", size("n_routed_experts")
+    method = "noaux_tc" if v3 else cfg.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"unsupported config.json topk_method {method!r}; supported: 'greedy', 'group_limited_greedy'")
+    grouped = method != "greedy"
+    rope, nope = size("qk_rope_head_dim", 64), cfg.get("qk_nope_head_dim", 128)
+    if isinstance(nope, bool) or not isinstance(nope, int) or nope < 0:
+        raise ValueError(f"config.json qk_nope_head_dim must be a non-negative integer, got {nope!r}")
+    return dict(
+        n_kv_heads=size("num_attention_heads"),  # MLA has no kv heads: its one latent serves every head
+        kv_lora_rank=size("kv_lora_rank", 512), q_lora_rank=size("q_lora_rank"), head_dim=nope + rope, rope_dim=rope,
+        v_head_dim=size("v_head_dim", 128), rope_interleaved=cfg.get("rope_interleave", True) is not False,
+        n_experts=experts, n_experts_per_token=size("num_experts_per_tok", 1) if experts else 2,
+        moe_hidden_dim=size("moe_intermediate_size", 1407) if experts else None,
+        n_shared_experts=cfg.get("n_shared_experts") or 0,
+        dense_layers=tuple(range(min(cfg.get("first_k_dense_replace") or 0, n_layers))) if experts else (),
+        moe_renormalize=v3 and cfg.get("norm_topk_prob", True) is True, router_scoring="sigmoid" if v3 else "softmax",
+        n_group=size("n_group", 1) if grouped else 1, topk_group=size("topk_group", 1) if grouped else 1,
+        routed_scaling=positive_number(cfg.get("routed_scaling_factor", 1.0), "config.json routed_scaling_factor"))
 
 
 def gemma3_rope(cfg: dict, rope: dict) -> tuple[dict, float]:
@@ -181,7 +214,17 @@ class ModelArgs:
     n_experts_per_token: int = 2  # Mixtral: experts each token is routed to (top-k)
     moe_hidden_dim: int | None = None  # Qwen3-MoE: each expert's width (moe_intermediate_size); None: hidden_dim
     moe_renormalize: bool = True  # the top-k routing weights rescaled to sum to 1 (Qwen3-MoE's norm_topk_prob)
-    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers with one dense MLP of hidden_dim (mlp_only_layers)
+    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE, DeepSeek: layers with one dense MLP of hidden_dim
+    # DeepSeek-V2/V3: multi-head latent attention (MLA) and its router
+    kv_lora_rank: int | None = None  # MLA: keys and values come from a latent this wide, which is what is cached
+    q_lora_rank: int | None = None  # MLA: queries through a low-rank bottleneck this wide; None: one q_proj
+    v_head_dim: int | None = None  # MLA: a head's value width (head_dim: a query's and key's nope + rope dims)
+    rope_interleaved: bool = False  # DeepSeek: rotated dims pair (2i, 2i + 1), as the model rotates them
+    n_shared_experts: int = 0  # DeepSeek: experts every token runs through, one MLP of n x moe_hidden_dim
+    router_scoring: str = "softmax"  # DeepSeek-V3: "sigmoid", experts chosen with a learned correction bias
+    n_group: int = 1  # DeepSeek: experts in n_group groups; a token's experts come from its best topk_group groups
+    topk_group: int = 1
+    routed_scaling: float = 1.0  # DeepSeek: the routing weights multiplied by this
     qkv_bias: bool = False  # Qwen2: q_proj, k_proj and v_proj have biases
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused, as we run them
@@ -233,6 +276,9 @@ class ModelArgs:
         if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
             raise ValueError(f"rope_scaling high_freq_factor {scaling['high_freq_factor']} must be greater than "
                              f"low_freq_factor {scaling['low_freq_factor']} (llama3 rope divides by their difference)")
+        if self.n_experts is not None and (self.n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group):
+            raise ValueError(f"{self.n_experts} experts in {self.n_group} groups, the best {self.topk_group} of them: "
+                             "n_group must divide the experts and topk_group be within 1..n_group")
         if any(not 0 <= i < self.n_layers for i in self.dense_layers):
             raise ValueError(f"dense layers {self.dense_layers} are not all within 0..{self.n_layers - 1}")
         if self.n_experts is not None and not 1 <= self.n_experts_per_token <= self.n_experts:
@@ -274,14 +320,15 @@ class ModelArgs:
         if not isinstance(tie, bool):
             raise ValueError(f"config.json tie_word_embeddings must be true or false, got {tie!r}")
         moe = archs[0] in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+        deepseek = deepseek_args(cfg, archs[0], size("num_hidden_layers")) if archs[0] in DEEPSEEK else {}
         return cls(
             vocab_size=size("vocab_size"),
             dim=size("hidden_size"),
             n_layers=size("num_hidden_layers"),
             n_heads=size("num_attention_heads"),
             hidden_dim=size("intermediate_size"),
-            n_kv_heads=size("num_key_value_heads"),
-            head_dim=size("head_dim"),
+            n_kv_heads=deepseek.pop("n_kv_heads", size("num_key_value_heads")),
+            head_dim=deepseek.pop("head_dim", size("head_dim")),  # DeepSeek's config head_dim is its rope dims
             norm_eps=positive_number(cfg.get("rms_norm_eps", 1e-6), "config.json rms_norm_eps"),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -291,15 +338,15 @@ class ModelArgs:
             tie_embeddings=tie,
             # Qwen3-MoE's hub configs say num_experts, transformers 5 writes num_local_experts
             n_experts=size("num_local_experts", 8 if archs[0] == "MixtralForCausalLM" else cfg.get("num_experts"))
-            if moe else None,
-            n_experts_per_token=size("num_experts_per_tok", 2) if moe else 2,
+            if moe else deepseek.pop("n_experts", None),
+            n_experts_per_token=size("num_experts_per_tok", 2) if moe else deepseek.pop("n_experts_per_token", 2),
             **(qwen3_moe_args(cfg, size("num_hidden_layers")) if archs[0] == "Qwen3MoeForCausalLM" else {}),
             qkv_bias=archs[0] == "Qwen2ForCausalLM",
             qk_norm=archs[0] in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),  # Gemma 3's: 1 + w
             fused_checkpoint=archs[0] == "Phi3ForCausalLM",
-            rope_dim=None if partial == 1 else int(head_dim * partial),  # rounded down, as transformers does
+            rope_dim=deepseek.pop("rope_dim", None if partial == 1 else int(head_dim * partial)),  # rounded down
             **(gemma_args(cfg, size("num_hidden_layers"), archs[0] == "Gemma3ForCausalLM") if gemma else {}),
-            mlp_act=act, rope_local_theta=local_theta,
+            mlp_act=act, rope_local_theta=local_theta, **deepseek,
         )
 
     @classmethod

@@ -32,6 +32,7 @@ from formats import weightcache
 from formats.checkpoint import Filler, check_tensors, checkpoint_shapes, checkpoint_state
 from config import ModelArgs
 from model import Transformer
+from models.families import build_model
 from quantize import Int4Linear, Int8GroupLinear, make_quantized_linear, mode_name, parse_mode, swap_linears
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -137,6 +138,8 @@ def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progr
 
 def check_shardable(args: ModelArgs, shard) -> None:
     """Tensor parallel (a shard) splits the dense width and Mixtral's experts; a ValueError for what it cannot."""
+    if shard is not None and args.kv_lora_rank is not None:
+        raise ValueError("tensor parallel does not split DeepSeek's latent attention (MLA); run it on one device")
     if shard is not None and args.moe_hidden_dim is not None:
         raise ValueError("tensor parallel does not split Qwen3-MoE's experts (moe_intermediate_size); run it on one "
                          "device")
@@ -202,7 +205,7 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, reques
                          "original weights with --quantize instead")
 
     with torch.device("meta"):
-        model = Transformer(shard.args(full_args) if shard else full_args)
+        model = build_model(shard.args(full_args) if shard else full_args)
     if saved is not None:  # the saved modules first: the file holds their buffers
         swap_linears(model, *saved)
     handles, found = hffolder.open_safetensors(path, files)
@@ -230,7 +233,7 @@ def load_packed_folder(path: str, fmt: hfquant.PackedFormat, args: ModelArgs, fi
         raise ValueError(f"{path!r} is a {fmt.method.upper()} checkpoint, which loads as its own codes: drop "
                          "--quantize (and tensor parallel)")
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)
     handles, found = hffolder.open_safetensors(path, files)
     check_tensors(checkpoint_shapes(model), hfquant.float_shapes({k: v[2] for k, v in found.items()}, fmt), path)
     filler = Filler(model, device, dtype, path)
@@ -345,7 +348,7 @@ def load_gguf(path: str, device: torch.device, dtype: torch.dtype, progress: boo
         tensors.pop(name, None)
         full_shapes.pop(name, None)
     with torch.device("meta"):
-        model = Transformer(shard.args(full_args) if shard else full_args)
+        model = build_model(shard.args(full_args) if shard else full_args)
     shapes = {k: shard.local_shape(k, v, full_args) for k, v in full_shapes.items()} if shard else full_shapes
     check_tensors(checkpoint_shapes(model), shapes, path)
     filler = Filler(model, device, dtype, path)

@@ -1,5 +1,6 @@
 """A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE, Phi-3,
-Gemma 2/3) in plain PyTorch: the math only, the reference a device's own paths are tested against.
+Gemma 2/3) in plain PyTorch: the math only, the reference a device's own paths are tested against. DeepSeek's blocks
+(latent attention, its router) are models/deepseek.py's, on these parts; RoPE's frequency scalings models/rope.py's.
 
 Shape legend used in the comments:
   B batch, T tokens in this call, S key positions (cache length), C model width,
@@ -20,48 +21,7 @@ import torch.nn.functional as F
 from config import ModelArgs
 from formats.parts import Parts
 from kvcache import KVCache, LayerKVCache
-
-
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Per-pair rotation frequencies (R/2,) for the R = rope_dim rotated dims, with the checkpoint's rope scaling."""
-    d = args.rope_dim
-    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d  # (R/2,)
-    scaling = args.rope_scaling or {}
-    if scaling.get("rope_type") == "longrope":
-        # Phi-3: per-frequency divisors, the long ones for a context past the original one. The choice is made once
-        # for the model's context (llama.cpp's rule), so every cached key keeps its rotation; transformers picks per
-        # forward, by its last position, so it uses the short ones on shorter sequences of a long-context model.
-        long = args.max_seq_len > scaling["original_max_position_embeddings"]
-        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
-        return 1.0 / (factors * args.rope_theta ** exponents)
-    inv_freq = 1.0 / (args.rope_theta ** exponents)
-    if scaling.get("rope_type") == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif scaling.get("rope_type") == "llama3":
-        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
-        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-        inv_freq = torch.where(is_medium, smoothed, scaled)
-    if args.rope_freq_factors is not None:
-        inv_freq = inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32)
-    return inv_freq
-
-
-def rope_attention_factor(args: ModelArgs) -> float:
-    """What longrope multiplies cos and sin by (transformers' attention_scaling), from the checkpoint's context
-    extension `factor` (config.py: max_position_embeddings / original); 1 for every other rope type."""
-    scaling = args.rope_scaling or {}
-    if scaling.get("rope_type") != "longrope":
-        return 1.0
-    original = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or args.max_seq_len / original
-    default = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return scaling.get("attention_factor") or default
+from models.rope import rope_attention_factor, rope_inv_freq  # the checkpoints' RoPE frequencies and scalings
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -268,6 +228,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Parameter names follow Hugging Face's (without the `model.` prefix), except the fused qkv_proj and
     gate_up_proj, which take a checkpoint's q/k/v and gate/up tensors as their parts (formats/parts.py)."""
+    block_type: type[Block] = Block  # a family's own blocks: models/deepseek.py's DeepseekTransformer
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -276,7 +237,7 @@ class Transformer(nn.Module):
         weight = torch.empty(args.vocab_size, args.dim)  # (V, C)
         weight = weight if weight.is_meta else weight.normal_()  # nn.Embedding's own init, N(0, 1)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, _weight=weight)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(self.block_type(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
         self.lm_head = Linear(args.dim, args.vocab_size)
         if args.tie_embeddings:

@@ -28,6 +28,7 @@ import torch
 from cli import (DTYPES, THREADS, Range, check_output_file, check_ranges, default_model, pick_device, pick_dtype,
                  run_cli, set_threads)
 from decode import generate, generate_batch
+from kvcache import cache_dims
 from load import load_model
 from model import ModelArgs, Transformer
 from quantize import describe, quantize_model, weight_bytes
@@ -65,8 +66,9 @@ def param_count(args: ModelArgs, active: bool = False) -> int:
 
 
 def kv_bytes_per_token(args: ModelArgs, bytes_per_value: float) -> float:
-    """2 (k and v) x layers x kv heads x head dim x bytes, for one sequence."""
-    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * bytes_per_value
+    """Layers x kv heads x (key + value dims) x bytes, for one sequence (MLA: its latent, kvcache.cache_dims)."""
+    heads, key_dim, value_dim = cache_dims(args)
+    return args.n_layers * heads * (key_dim + value_dim) * bytes_per_value
 
 
 def plan(args: ModelArgs, name: str, memory_gib: float, context: int, bandwidth_gbs: float, peak_tflops: float,
@@ -175,7 +177,7 @@ def run_once(model, step: Step, batch_size: int, prompt_len: int, new_tokens: in
     sync(device)
     assert n == new_tokens - 1, f"{n} decode steps vs {new_tokens - 1}"
     # the loop's static cache: k and v of every layer for prompt + new tokens, all read by each step
-    kv_per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim * model.embed_tokens.weight.element_size()
+    kv_per_token = kv_bytes_per_token(args, model.embed_tokens.weight.element_size())
     return {"ttft": ttft, "tpot": (time.perf_counter() - t1) / n, "kv_per_token": kv_per_token,
             "cache_bytes": kv_per_token * batch_size * (prompt_len + new_tokens)}
 

@@ -24,6 +24,7 @@ from formats.gguffile import named_tensors, read_gguf
 from formats.checkpoint import checkpoint_state, load_state
 from load import load_model
 from model import Transformer
+from models.families import build_model
 from tiny_models import SEQ_LEN, make_hf
 
 
@@ -189,7 +190,7 @@ def rounded_as_stored(folder_model: Transformer, path: str) -> Transformer:
             state[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), kind), kind))
     assert kinds, f"{path}: no tensor stored rounded"
     with torch.device("meta"):
-        model = Transformer(folder_model.args)
+        model = build_model(folder_model.args)
     return load_state(model, state)
 
 

@@ -13,7 +13,7 @@ DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", *GEMMA)  # those whose sliding_window applies
 # llama.cpp's general.architecture
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "deepseek2")
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -105,6 +105,28 @@ def deepseek_args(cfg: dict, arch: str, n_layers: int) -> dict:
         routed_scaling=positive_number(cfg.get("routed_scaling_factor", 1.0), "config.json routed_scaling_factor"))
 
 
+def deepseek_gguf_args(meta: dict, size: Callable, number: Callable, n_heads: int) -> dict:
+    """A deepseek2 file's ModelArgs fields as llama.cpp reads them: the MLA dims (key_length_mla = nope + rope,
+    value_length_mla), its experts and router (softmax unless expert_gating_func is 2, sigmoid), rotary pairs
+    interleaved (llama.cpp's NORM rope, the weights as transformers holds them)."""
+    experts = meta.get("deepseek2.expert_count", 0) != 0
+    gating = meta.get("deepseek2.expert_gating_func", 1)
+    if gating not in (1, 2):
+        raise ValueError(f"unsupported GGUF deepseek2.expert_gating_func {gating!r}; supported: 1 (softmax), "
+                         "2 (sigmoid)")
+    return dict(
+        n_kv_heads=n_heads, head_dim=size("attention.key_length_mla"), rope_dim=size("rope.dimension_count"),
+        v_head_dim=size("attention.value_length_mla"), kv_lora_rank=size("attention.kv_lora_rank"),
+        q_lora_rank=size("attention.q_lora_rank") if "deepseek2.attention.q_lora_rank" in meta else None,
+        rope_interleaved=True, moe_hidden_dim=size("expert_feed_forward_length") if experts else None,
+        n_shared_experts=meta.get("deepseek2.expert_shared_count", 0) if experts else 0,
+        dense_layers=tuple(range(meta.get("deepseek2.leading_dense_block_count", 0))) if experts else (),
+        routed_scaling=number("expert_weights_scale", 1.0), moe_renormalize=meta.get("deepseek2.expert_weights_norm",
+                                                                                     False) is True,
+        router_scoring="sigmoid" if gating == 2 else "softmax", n_group=size("expert_group_count", 1),
+        topk_group=size("expert_group_used_count", 1))
+
+
 def gemma3_rope(cfg: dict, rope: dict) -> tuple[dict, float]:
     """Gemma 3's two RoPEs: the full-attention layers' parameters (transformers 5's rope_parameters.full_attention,
     or the top-level rope_theta and rope_scaling) and the sliding layers' base (rope_parameters.sliding_attention's
@@ -147,8 +169,17 @@ def gguf_rope_scaling(meta: dict, arch: str, size: Callable, number: Callable,
     """A GGUF file's RoPE scaling (None, linear, or Phi-3's longrope as llama.cpp's converter writes it: the factors
     as tensors, the context they extend in the metadata), as ModelArgs.rope_scaling holds it."""
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "yarn" and arch == "deepseek2":
+        # as llama.cpp reads deepseek2: cos and sin unscaled (mscale as mscale_all_dim, the published models'), the
+        # softmax scale by mscale_all_dim, which the file keeps as yarn_log_multiplier = 0.1 x mscale_all_dim
+        return {"rope_type": "yarn", "factor": number("rope.scaling.factor", None),
+                "original_max_position_embeddings": size("rope.scaling.original_context_length"),
+                "beta_fast": number("rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": number("rope.scaling.yarn_beta_slow", 1.0), "attention_factor": 1.0,
+                "mscale_all_dim": meta.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) / 0.1}
     if scaling_type not in ("none", "linear"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear'")
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear' (and 'yarn' "
+                         "for deepseek2)")
     rope_scaling = None
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
@@ -377,14 +408,15 @@ class ModelArgs:
         window = meta.get(f"{arch}.attention.sliding_window") or (4096 if arch == "gemma2" else 0)  # 0: none
         n_heads = size("attention.head_count")
         n_experts = size("expert_count") if meta.get(f"{arch}.expert_count", 0) != 0 else None  # Mixtral: > 0
+        deepseek = deepseek_gguf_args(meta, size, number, n_heads) if arch == "deepseek2" else {}
         args = cls(
             vocab_size=size("vocab_size", len(meta.get("tokenizer.ggml.tokens", ()))),
             dim=size("embedding_length"),
             n_layers=size("block_count"),
             n_heads=n_heads,
             hidden_dim=size("feed_forward_length"),
-            n_kv_heads=size("attention.head_count_kv", n_heads),
-            head_dim=head_dim,
+            n_kv_heads=deepseek.pop("n_kv_heads", None) or size("attention.head_count_kv", n_heads),
+            head_dim=deepseek.pop("head_dim", head_dim),  # deepseek2's key_length is its cached latent's width
             norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=number("rope.freq_base", 10000.0),
             rope_scaling=rope_scaling,
@@ -395,13 +427,15 @@ class ModelArgs:
             qkv_bias=arch == "qwen2",
             qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
             # llama.cpp's qwen3moe: every layer sparse, experts of expert_feed_forward_length, top-k renormalized
-            moe_hidden_dim=size("expert_feed_forward_length") if arch == "qwen3moe" else None,
+            moe_hidden_dim=deepseek.pop("moe_hidden_dim", None) or (size("expert_feed_forward_length")
+                                                                     if arch == "qwen3moe" else None),
             fused_checkpoint=arch == "phi3",  # attn_qkv, and ffn_up holding gate | up
             sliding_window=positive_int(window, f"GGUF metadata {arch}.attention.sliding_window") if window else None,
-            rope_dim=size("rope.dimension_count") if arch == "phi3" and f"{arch}.rope.dimension_count" in meta
-            else None,  # Phi-4-mini's partial rotary
+            rope_dim=deepseek.pop("rope_dim", None) or (  # Phi-4-mini's partial rotary
+                size("rope.dimension_count") if arch == "phi3" and f"{arch}.rope.dimension_count" in meta else None),
             **(gemma_gguf_args(meta, arch, size("block_count"), size("embedding_length") // n_heads, head_dim)
                if arch in ("gemma2", "gemma3") else {}),
+            **deepseek,
         )
         if meta.get(f"{arch}.rope.dimension_count", args.rope_dim) != args.rope_dim:
             raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")

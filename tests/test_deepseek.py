@@ -140,6 +140,36 @@ def test_quantized(tmp_path, mode, monkeypatch):
     assert (absorbed - plain).abs().max() <= 1e-5
 
 
+def test_int8_latent_cache():
+    """The int8 cache holds the latent as int8 codes and one float32 scale per token (the empty value has none); the
+    logits through it stay close to the float cache's, on the absorbed path too."""
+    ours = hf_to_ours(make_hf("deepseek-v3"))
+    a = ours.args
+    cache = KVCache.for_model(a, 1, 32, torch.float32, "cpu", kv_dtype="int8")
+    assert cache.bytes_per_token == (a.kv_lora_rank + a.rope_dim + 4) * a.n_layers
+    toks = tokens(seq=24)
+    full = ours(toks, torch.arange(24), all_logits=True)
+    for absorb in (False, True):
+        set_absorb(ours, absorb)
+        try:
+            cache = KVCache.for_model(a, 1, 32, torch.float32, "cpu", kv_dtype="int8")
+            out = [ours(toks[:, :8], torch.arange(8), cache, all_logits=True)]
+            out += [ours(toks[:, i:i + 1], torch.tensor([i]), cache, steps=True) for i in range(8, 24)]
+        finally:
+            set_absorb(ours, None)
+        assert (torch.cat(out, dim=1) - full).abs().max() <= 0.05 * full.abs().max()
+
+
+def test_speculative_greedy_matches_plain_greedy():
+    import speculative
+    from speculative import ModelDraft, PromptLookupDraft
+
+    ours = hf_to_ours(make_hf("deepseek-v3"))
+    want = greedy_ids(ours, PROMPT, 24)
+    for draft in (ModelDraft(hf_to_ours(make_hf("deepseek-v2-lite", seed=1)), ours), PromptLookupDraft()):
+        assert [t.id for t in speculative.generate(ours, draft, PROMPT, max_new_tokens=24, k=4)] == want
+
+
 def test_paged_engine_matches_greedy():
     """The engine's paged pool holds the latent (a one-head key, an empty value); its tokens are plain greedy's."""
     ours = hf_to_ours(make_hf("deepseek-v2-group"))
@@ -153,9 +183,6 @@ def test_paged_engine_matches_greedy():
 def test_refusals(tmp_path):
     from features import tp
 
-    ours = hf_to_ours(make_hf("deepseek-v2-lite"))
-    with pytest.raises(ValueError, match="^the int8 KV cache does not hold latent attention's"):
-        KVCache.for_model(ours.args, 1, 16, torch.float32, "cpu", kv_dtype="int8")
     make_hf("deepseek-v2-lite").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="^tensor parallel does not split DeepSeek's latent attention"):
         load_model(str(tmp_path), "cpu", torch.float32, shard=tp.Shard(0, 2))

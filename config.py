@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                  "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
-                 "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                 "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
 DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", *GEMMA)  # those whose sliding_window applies
+# those whose sliding_window applies
+WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GptOssForCausalLM", *GEMMA)
 # llama.cpp's general.architecture
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "deepseek2")
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
@@ -125,6 +126,21 @@ def deepseek_gguf_args(meta: dict, size: Callable, number: Callable, n_heads: in
                                                                                      False) is True,
         router_scoring="sigmoid" if gating == 2 else "softmax", n_group=size("expert_group_count", 1),
         topk_group=size("expert_group_used_count", 1))
+
+
+def gpt_oss_args(cfg: dict, n_layers: int) -> dict:
+    """gpt-oss: biases on q/k/v/o, on the router and on every expert; learned attention sinks; the clamped SwiGLU
+    (swiglu_limit; its alpha 1.702 is the only one published); layer_types' sliding layers (every other one, from
+    the first, unless listed)."""
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"config.json layer_types must list sliding_attention or full_attention for each of the "
+                         f"{n_layers} layers, got {types!r}")
+    if cfg.get("swiglu_alpha", 1.702) != 1.702:
+        raise ValueError(f"unsupported config.json swiglu_alpha {cfg['swiglu_alpha']!r}; supported: 1.702")
+    return dict(qkv_bias=True, o_bias=True, attn_sinks=True, moe_bias=True,
+                swiglu_limit=positive_number(cfg.get("swiglu_limit", 7.0), "config.json swiglu_limit"),
+                sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
 
 
 def gemma3_rope(cfg: dict, rope: dict) -> tuple[dict, float]:
@@ -256,6 +272,11 @@ class ModelArgs:
     n_group: int = 1  # DeepSeek: experts in n_group groups; a token's experts come from its best topk_group groups
     topk_group: int = 1
     routed_scaling: float = 1.0  # DeepSeek: the routing weights multiplied by this
+    # gpt-oss
+    o_bias: bool = False  # o_proj has a bias
+    attn_sinks: bool = False  # a learned logit per head joins each softmax (model.Sinks)
+    moe_bias: bool = False  # the router and each expert's linears have biases
+    swiglu_limit: float | None = None  # the experts' clamped SwiGLU: gate <= limit, |up| <= limit
     qkv_bias: bool = False  # Qwen2: q_proj, k_proj and v_proj have biases
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused, as we run them
@@ -331,7 +352,7 @@ class ModelArgs:
         act = cfg.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported {act_key} {act!r}; supported: 'silu', 'gelu_pytorch_tanh'")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # Qwen2's q/k/v biases need no key: it always has them
+        if cfg.get("attention_bias") and archs[0] != "GptOssForCausalLM" or cfg.get("mlp_bias"):  # Qwen2's need no key
             raise ValueError("unsupported config: attention_bias/mlp_bias must be false")
         if cfg.get("use_sliding_window"):  # Qwen: a window on the layers past max_window_layers only
             raise ValueError("unsupported config: use_sliding_window must be false")
@@ -351,15 +372,18 @@ class ModelArgs:
         if not isinstance(tie, bool):
             raise ValueError(f"config.json tie_word_embeddings must be true or false, got {tie!r}")
         moe = archs[0] in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
-        deepseek = deepseek_args(cfg, archs[0], size("num_hidden_layers")) if archs[0] in DEEPSEEK else {}
+        family = deepseek_args(cfg, archs[0], size("num_hidden_layers")) if archs[0] in DEEPSEEK else {}
+        if archs[0] == "GptOssForCausalLM":  # its experts are MLPs of intermediate_size, routed as Mixtral's
+            family = dict(gpt_oss_args(cfg, size("num_hidden_layers")), n_experts=size("num_local_experts"),
+                          n_experts_per_token=size("num_experts_per_tok"))
         return cls(
             vocab_size=size("vocab_size"),
             dim=size("hidden_size"),
             n_layers=size("num_hidden_layers"),
             n_heads=size("num_attention_heads"),
             hidden_dim=size("intermediate_size"),
-            n_kv_heads=deepseek.pop("n_kv_heads", size("num_key_value_heads")),
-            head_dim=deepseek.pop("head_dim", size("head_dim")),  # DeepSeek's config head_dim is its rope dims
+            n_kv_heads=family.pop("n_kv_heads", size("num_key_value_heads")),
+            head_dim=family.pop("head_dim", size("head_dim")),  # DeepSeek's config head_dim is its rope dims
             norm_eps=positive_number(cfg.get("rms_norm_eps", 1e-6), "config.json rms_norm_eps"),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -369,15 +393,15 @@ class ModelArgs:
             tie_embeddings=tie,
             # Qwen3-MoE's hub configs say num_experts, transformers 5 writes num_local_experts
             n_experts=size("num_local_experts", 8 if archs[0] == "MixtralForCausalLM" else cfg.get("num_experts"))
-            if moe else deepseek.pop("n_experts", None),
-            n_experts_per_token=size("num_experts_per_tok", 2) if moe else deepseek.pop("n_experts_per_token", 2),
+            if moe else family.pop("n_experts", None),
+            n_experts_per_token=size("num_experts_per_tok", 2) if moe else family.pop("n_experts_per_token", 2),
             **(qwen3_moe_args(cfg, size("num_hidden_layers")) if archs[0] == "Qwen3MoeForCausalLM" else {}),
-            qkv_bias=archs[0] == "Qwen2ForCausalLM",
+            qkv_bias=family.pop("qkv_bias", archs[0] == "Qwen2ForCausalLM"),
             qk_norm=archs[0] in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),  # Gemma 3's: 1 + w
             fused_checkpoint=archs[0] == "Phi3ForCausalLM",
-            rope_dim=deepseek.pop("rope_dim", None if partial == 1 else int(head_dim * partial)),  # rounded down
+            rope_dim=family.pop("rope_dim", None if partial == 1 else int(head_dim * partial)),  # rounded down
             **(gemma_args(cfg, size("num_hidden_layers"), archs[0] == "Gemma3ForCausalLM") if gemma else {}),
-            mlp_act=act, rope_local_theta=local_theta, **deepseek,
+            mlp_act=act, rope_local_theta=local_theta, **family,
         )
 
     @classmethod
@@ -408,15 +432,15 @@ class ModelArgs:
         window = meta.get(f"{arch}.attention.sliding_window") or (4096 if arch == "gemma2" else 0)  # 0: none
         n_heads = size("attention.head_count")
         n_experts = size("expert_count") if meta.get(f"{arch}.expert_count", 0) != 0 else None  # Mixtral: > 0
-        deepseek = deepseek_gguf_args(meta, size, number, n_heads) if arch == "deepseek2" else {}
+        family = deepseek_gguf_args(meta, size, number, n_heads) if arch == "deepseek2" else {}
         args = cls(
             vocab_size=size("vocab_size", len(meta.get("tokenizer.ggml.tokens", ()))),
             dim=size("embedding_length"),
             n_layers=size("block_count"),
             n_heads=n_heads,
             hidden_dim=size("feed_forward_length"),
-            n_kv_heads=deepseek.pop("n_kv_heads", None) or size("attention.head_count_kv", n_heads),
-            head_dim=deepseek.pop("head_dim", head_dim),  # deepseek2's key_length is its cached latent's width
+            n_kv_heads=family.pop("n_kv_heads", None) or size("attention.head_count_kv", n_heads),
+            head_dim=family.pop("head_dim", head_dim),  # deepseek2's key_length is its cached latent's width
             norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=number("rope.freq_base", 10000.0),
             rope_scaling=rope_scaling,
@@ -427,15 +451,15 @@ class ModelArgs:
             qkv_bias=arch == "qwen2",
             qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
             # llama.cpp's qwen3moe: every layer sparse, experts of expert_feed_forward_length, top-k renormalized
-            moe_hidden_dim=deepseek.pop("moe_hidden_dim", None) or (size("expert_feed_forward_length")
+            moe_hidden_dim=family.pop("moe_hidden_dim", None) or (size("expert_feed_forward_length")
                                                                      if arch == "qwen3moe" else None),
             fused_checkpoint=arch == "phi3",  # attn_qkv, and ffn_up holding gate | up
             sliding_window=positive_int(window, f"GGUF metadata {arch}.attention.sliding_window") if window else None,
-            rope_dim=deepseek.pop("rope_dim", None) or (  # Phi-4-mini's partial rotary
+            rope_dim=family.pop("rope_dim", None) or (  # Phi-4-mini's partial rotary
                 size("rope.dimension_count") if arch == "phi3" and f"{arch}.rope.dimension_count" in meta else None),
             **(gemma_gguf_args(meta, arch, size("block_count"), size("embedding_length") // n_heads, head_dim)
                if arch in ("gemma2", "gemma3") else {}),
-            **deepseek,
+            **family,
         )
         if meta.get(f"{arch}.rope.dimension_count", args.rope_dim) != args.rope_dim:
             raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")

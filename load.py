@@ -140,6 +140,8 @@ def check_shardable(args: ModelArgs, shard) -> None:
     """Tensor parallel (a shard) splits the dense width and Mixtral's experts; a ValueError for what it cannot."""
     if shard is not None and args.kv_lora_rank is not None:
         raise ValueError("tensor parallel does not split DeepSeek's latent attention (MLA); run it on one device")
+    if shard is not None and args.moe_bias:
+        raise ValueError("tensor parallel does not split gpt-oss's experts (their biases); run it on one device")
     if shard is not None and args.moe_hidden_dim is not None:
         raise ValueError("tensor parallel does not split Qwen3-MoE's experts (moe_intermediate_size); run it on one "
                          "device")
@@ -208,7 +210,7 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, reques
         model = build_model(shard.args(full_args) if shard else full_args)
     if saved is not None:  # the saved modules first: the file holds their buffers
         swap_linears(model, *saved)
-    handles, found = hffolder.open_safetensors(path, files)
+    handles, found = hffolder.open_safetensors(path, files, full_args.attn_sinks)
     shapes = {k: shard.local_shape(k, v[2], full_args) if shard else v[2] for k, v in found.items()}
     check_tensors(checkpoint_shapes(model), shapes, path)
     check_dtypes(model, {k: v[4] for k, v in found.items()}, path)

@@ -36,10 +36,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def written_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                      softcap: float | None) -> torch.Tensor:
+                      softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(cap(q k^T * scale)) v written out in float32, for Gemma 2: SDPA takes a mask but no function of the
-    scores, and its soft-capping cap(s) = c tanh(s / c) goes between the product and the softmax. q (B, H, T, D),
-    k and v (B, K, S, D), mask (T, S) or (B, 1, T, S)."""
+    scores, and its soft-capping cap(s) = c tanh(s / c) goes between the product and the softmax; for gpt-oss, whose
+    per-head sink logits (H,) join each softmax as one more column, dropped after it. q (B, H, T, D), k and v
+    (B, K, S, D), mask (T, S) or (B, 1, T, S)."""
     B, H, T, D = q.shape
     K, S = k.shape[1], k.shape[2]
     qg = q.float().reshape(B, K, H // K * T, D)  # (B, K, G*T, D): a kv head's G query heads, as rows
@@ -47,7 +48,9 @@ def written_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))  # mask (.., 1, T, S) over the G heads
-    p = torch.softmax(scores, dim=-1).view(B, K, H // K * T, S)  # (B, K, G*T, S)
+    if sinks is not None:  # a column of each head's sink logit: (B, K, G, T, S + 1), its share of the softmax dropped
+        scores = torch.cat([scores, sinks.float().view(1, K, H // K, 1, 1).expand(B, -1, -1, T, 1)], dim=-1)
+    p = torch.softmax(scores, dim=-1)[..., :S].reshape(B, K, H // K * T, S)  # (B, K, G*T, S)
     return (p @ v.float()).view(B, H, T, D).to(q.dtype)  # (B, H, T, D)
 
 
@@ -96,6 +99,14 @@ class RMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
+class Sinks(nn.Module):
+    """gpt-oss's learned attention sinks: one logit per head (H,) that joins every softmax (written_attention)."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_heads))
+
+
 class Attention(nn.Module):
     attend: Callable = staticmethod(sdpa)  # or a device's own (step.device_paths)
 
@@ -107,7 +118,8 @@ class Attention(nn.Module):
         q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         parts = None if args.fused_checkpoint else {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
         self.qkv_proj = Linear(args.dim, q_rows + 2 * kv_rows, parts, bias=args.qkv_bias)
-        self.o_proj = Linear(args.n_heads * args.head_dim, args.dim)
+        self.o_proj = Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.sinks = Sinks(args.n_heads) if args.attn_sinks else None  # gpt-oss
         # Qwen3, Gemma 3: each head's q and k RMS-normed (over D) before RoPE
         norm = (args.head_dim, args.norm_eps, args.norm_plus_one)
         self.q_norm = RMSNorm(*norm) if args.qk_norm else None
@@ -126,8 +138,9 @@ class Attention(nn.Module):
         v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
         if cache is not None:  # the keys before RoPE too, for a cache that rotates them as read (sinks.SinkLayer)
             k, v = cache.update(input_pos, k, v, k_unrotated=qk[:, H:])  # (B, K, S, D): the mask hides unwritten slots
-        if self.scale is not None or self.softcap is not None:
-            y = written_attention(q, k, v, mask, self.scale or D ** -0.5, self.softcap)
+        if self.scale is not None or self.softcap is not None or self.sinks is not None:
+            sinks = None if self.sinks is None else self.sinks.weight
+            y = written_attention(q, k, v, mask, self.scale or D ** -0.5, self.softcap, sinks)
         else:
             y = self.attend(q, k, v, mask, steps)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
@@ -139,12 +152,15 @@ class MLP(nn.Module):
         super().__init__()
         width = width or args.hidden_dim
         parts = None if args.fused_checkpoint else {"gate_proj": width, "up_proj": width}
-        self.gate_up_proj = Linear(args.dim, 2 * width, parts)  # rows gate | up
-        self.down_proj = Linear(width, args.dim)
-        self.gelu = args.mlp_act == "gelu_pytorch_tanh"  # Gemma 2's GeGLU
+        self.gate_up_proj = Linear(args.dim, 2 * width, parts, bias=args.moe_bias)  # rows gate | up
+        self.down_proj = Linear(width, args.dim, bias=args.moe_bias)
+        self.gelu, self.limit = args.mlp_act == "gelu_pytorch_tanh", args.swiglu_limit  # Gemma 2's GeGLU; gpt-oss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., F) each
+        if self.limit is not None:  # gpt-oss: both clamped, gate x sigmoid(1.702 gate) (up + 1)
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return self.down_proj(gate * torch.sigmoid(1.702 * gate) * (up + 1))
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)  # SwiGLU (GeGLU)
 
@@ -153,15 +169,17 @@ class Router(nn.Module):
     """Mixtral's gate: which k of the E experts each token goes to, and with what weights. Not a Linear, so
     quantization leaves it in model precision (a few E x C weights; a flipped choice would change the output)."""
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, renormalize: bool = True):
+    def __init__(self, dim: int, n_experts: int, top_k: int, renormalize: bool = True, bias: bool = False):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.weight = nn.Parameter(torch.randn(n_experts, dim) / math.sqrt(dim))  # varied routing for random runs
+        self.bias = nn.Parameter(torch.zeros(n_experts)) if bias else None  # gpt-oss
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (M, C) -> float32 weights (M, k) and expert ids (M, k), as transformers computes them: softmax over all
-        E logits in float32, the top k, renormalized to sum to 1 (Qwen3-MoE: unless norm_topk_prob is false)."""
-        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)  # (M, E)
+        E logits in float32, the top k, renormalized to sum to 1 (Qwen3-MoE: unless norm_topk_prob is false; gpt-oss's
+        softmax over the top k logits is the same)."""
+        probs = torch.softmax(F.linear(x, self.weight, self.bias).float(), dim=-1)  # (M, E)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (M, k) each
         return weights / weights.sum(dim=-1, keepdim=True) if self.renormalize else weights, ids
 
@@ -173,7 +191,7 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate = Router(args.dim, args.n_experts, args.n_experts_per_token, args.moe_renormalize)
+        self.gate = Router(args.dim, args.n_experts, args.n_experts_per_token, args.moe_renormalize, args.moe_bias)
         self.experts = nn.ModuleList(MLP(args, args.moe_hidden_dim) for _ in range(args.n_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from decode import generate
 from formats.gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
-from formats.hffolder import tensor_names
+from formats.hffolder import select, tensor_names
 from formats.checkpoint import load_state
 from model import ModelArgs, Transformer
 from models.families import build_model
@@ -62,6 +62,12 @@ CONFIGS = {
                                               topk_method="group_limited_greedy", n_group=4, topk_group=2,
                                               first_k_dense_replace=0, n_shared_experts=1,
                                               routed_scaling_factor=1.5)),
+    # gpt-oss: sinks, biases everywhere, the clamped SwiGLU (a low limit, so the clamps bite), every other layer
+    # windowed (a window of 16), YaRN untruncated; GQA 4:2
+    "gpt-oss": ("gpt_oss", dict(num_hidden_layers=3, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                                intermediate_size=48, sliding_window=16, swiglu_limit=1.5, rope_parameters={
+        "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 32, "rope_theta": 10000.0})),
     # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; longrope past the original context (the long factors
     # and attention factor sqrt(1 + ln 16 / ln 16)) and within it (short factors), with a window; Phi-4-mini's
     # partial rotary (12 of 16 dims, GQA) with tied embeddings
@@ -96,7 +102,7 @@ CONFIGS = {
                                              layer_types=["sliding_attention", "full_attention"])),
 }
 # families whose biases and norms are drawn at random
-RANDOM_VECTORS = ("qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "deepseek_v2", "deepseek_v3")
+RANDOM_VECTORS = ("qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "deepseek_v2", "deepseek_v3", "gpt_oss")
 
 
 def make_hf(name: str, seed: int = 0, **overrides):
@@ -105,7 +111,7 @@ def make_hf(name: str, seed: int = 0, **overrides):
 
     family, extra = CONFIGS[name]
     prefix = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-              "qwen3moe": "Qwen3Moe", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3",
+              "qwen3moe": "Qwen3Moe", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss",
               "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3Text"}[family]
     config_cls = getattr(transformers, prefix + "Config")  # Gemma3Config is the multimodal model's
     model_cls = getattr(transformers, prefix.removesuffix("Text") + "ForCausalLM")
@@ -120,7 +126,7 @@ def make_hf(name: str, seed: int = 0, **overrides):
     if family in RANDOM_VECTORS:  # transformers initializes them to 0 and 1, which would hide a swapped or lost one
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if p.dim() == 1:
+                if p.dim() == 1 or name.endswith("_bias"):  # gpt-oss's stacked expert biases (E, F) too
                     mean = 0.0 if name.endswith(".bias") or family.startswith("gemma") else 1.0  # Gemma: w - 1
                     p.normal_(mean, 0.1)  # a bias, or a norm's weight
             for name, b in model.named_buffers():
@@ -138,10 +144,10 @@ def hf_to_ours(hf) -> Transformer:
         model = build_model(ModelArgs.from_hf_config(cfg))
     state = {}
     for key, t in hf.state_dict().items():
-        for name, _, pick in tensor_names(key, tuple(t.shape)):
+        for name, _, pick in tensor_names(key, tuple(t.shape), model.args.attn_sinks):
             if name == "lm_head.weight" and model.args.tie_embeddings:
                 continue  # the embedding, as save_pretrained leaves it out of a checkpoint
-            state[name] = (t if pick is None else t[pick[0], pick[1]:pick[1] + pick[2]]).clone()  # not hf's memory
+            state[name] = select(t, pick).clone()  # not hf's memory
     return load_state(model, state)
 
 

@@ -14,7 +14,7 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # those whose sliding_window applies
 WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GptOssForCausalLM", *GEMMA)
 # llama.cpp's general.architecture
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "deepseek2")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "deepseek2", "gpt-oss")
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -193,9 +193,14 @@ def gguf_rope_scaling(meta: dict, arch: str, size: Callable, number: Callable,
                 "beta_fast": number("rope.scaling.yarn_beta_fast", 32.0),
                 "beta_slow": number("rope.scaling.yarn_beta_slow", 1.0), "attention_factor": 1.0,
                 "mscale_all_dim": meta.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) / 0.1}
+    if scaling_type == "yarn" and arch == "gpt-oss":  # transformers' gpt-oss: its correction range untruncated
+        return {"rope_type": "yarn", "factor": number("rope.scaling.factor", None), "truncate": False,
+                "original_max_position_embeddings": size("rope.scaling.original_context_length"),
+                "beta_fast": number("rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": number("rope.scaling.yarn_beta_slow", 1.0)}
     if scaling_type not in ("none", "linear"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear' (and 'yarn' "
-                         "for deepseek2)")
+                         "for deepseek2 and gpt-oss)")
     rope_scaling = None
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
@@ -433,6 +438,9 @@ class ModelArgs:
         n_heads = size("attention.head_count")
         n_experts = size("expert_count") if meta.get(f"{arch}.expert_count", 0) != 0 else None  # Mixtral: > 0
         family = deepseek_gguf_args(meta, size, number, n_heads) if arch == "deepseek2" else {}
+        if arch == "gpt-oss":  # llama.cpp's: every other layer windowed, from the first; the SwiGLU clamped at 7
+            family = dict(qkv_bias=True, o_bias=True, attn_sinks=True, moe_bias=True, swiglu_limit=7.0,
+                          sliding_layers=tuple(range(0, size("block_count"), 2)) if window else None)
         args = cls(
             vocab_size=size("vocab_size", len(meta.get("tokenizer.ggml.tokens", ()))),
             dim=size("embedding_length"),
@@ -448,7 +456,7 @@ class ModelArgs:
             tie_embeddings="output.weight" not in tensor_names,  # llama.cpp drops the head of tied models
             n_experts=n_experts,
             n_experts_per_token=size("expert_used_count", 2) if n_experts else 2,
-            qkv_bias=arch == "qwen2",
+            qkv_bias=family.pop("qkv_bias", arch == "qwen2"),
             qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
             # llama.cpp's qwen3moe: every layer sparse, experts of expert_feed_forward_length, top-k renormalized
             moe_hidden_dim=family.pop("moe_hidden_dim", None) or (size("expert_feed_forward_length")

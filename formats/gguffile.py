@@ -52,7 +52,8 @@ DEEPSEEK2_NAMES = {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn
                    "attn_v_b": "self_attn.v_b_proj", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
                    "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 GGUF_ARCH_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                   "gemma2": GEMMA_NAMES, "gemma3": GEMMA_NAMES, "deepseek2": DEEPSEEK2_NAMES}
+                   "gemma2": GEMMA_NAMES, "gemma3": GEMMA_NAMES, "deepseek2": DEEPSEEK2_NAMES,
+                   "gpt-oss": {"attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm"}}
 GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # (E, N, K)
 # tensor types GGUFReader returns as numbers; every other type (BF16, the quantized blocks) as rows of bytes
 NUMERIC = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
@@ -183,13 +184,15 @@ class ExpertSlice:
 
 def named_tensors(file_tensors: list[GGUFTensor], arch: str = "llama") -> tuple[dict, dict[str, tuple]]:
     """The file's tensors under our names ({name: GGUFTensor or ExpertSlice}) and their torch shapes: a stacked
-    `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C); a phi3 file's
+    `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C) (gpt-oss: its
+    `ffn_up_exps.bias` (E, F) E biases); a phi3 file's
     `blk.3.ffn_up.weight` is `layers.3.mlp.gate_up_proj.weight`."""
     tensors, shapes = {}, {}
     for t in file_tensors:
         shape = t.shape
         parts = t.name.split(".")
-        if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_EXPERT_NAMES and len(shape) == 3:
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_EXPERT_NAMES and len(shape) == (
+                2 if parts[3] == "bias" else 3):  # gpt-oss's expert biases are stacked too, (E, F)
             for e in range(shape[0]):
                 name = f"layers.{parts[1]}.mlp.experts.{e}.{GGUF_EXPERT_NAMES[parts[2]]}.{parts[3]}"
                 tensors[name], shapes[name] = ExpertSlice(t.data[e], t.tensor_type), shape[1:]

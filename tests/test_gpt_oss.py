@@ -102,3 +102,18 @@ def test_config_and_refusals(tmp_path):
     make_hf("gpt-oss").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="^tensor parallel does not split gpt-oss's experts"):
         load_model(str(tmp_path), "cpu", torch.float32, shard=tp.Shard(0, 2))
+
+
+def test_gguf_metadata():
+    """A gpt-oss file as llama.cpp's converter writes it and llama.cpp reads it: every other layer windowed from the
+    first, the SwiGLU clamped at 7, biases and sinks; YaRN as transformers' gpt-oss (untruncated)."""
+    meta = {"general.architecture": "gpt-oss", "gpt-oss.block_count": 3, "gpt-oss.embedding_length": 64,
+            "gpt-oss.feed_forward_length": 48, "gpt-oss.attention.head_count": 4, "gpt-oss.attention.head_count_kv": 2,
+            "gpt-oss.vocab_size": 160, "gpt-oss.expert_count": 8, "gpt-oss.expert_used_count": 2,
+            "gpt-oss.attention.key_length": 16, "gpt-oss.attention.sliding_window": 16,
+            "gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 8.0,
+            "gpt-oss.rope.scaling.original_context_length": 32}
+    args = ModelArgs.from_gguf(meta, {"output.weight"})
+    assert (args.sliding_layers, args.sliding_window, args.swiglu_limit, args.attn_sinks, args.qkv_bias,
+            args.o_bias, args.moe_bias) == ((0, 2), 16, 7.0, True, True, True, True)
+    assert args.rope_scaling["truncate"] is False and args.rope_scaling["factor"] == 8.0

@@ -157,7 +157,8 @@ def release_freed_memory() -> None:
 
 # ---- Hugging Face folders ----
 
-SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")  # what a float weight may be stored as: it is cast to the dtype
+# what a float weight may be stored as: it is cast to the dtype (MXFP4: gpt-oss's experts, decoded as read)
+SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16", "MXFP4")
 SAFETENSORS_INTS = {torch.int8: "I8", torch.uint8: "U8", torch.int64: "I64"}  # codes: int8, int4 in bytes; in_perm
 
 

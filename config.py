@@ -15,6 +15,7 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GptOssForCausalLM", *GEMMA)
 # llama.cpp's general.architecture
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "deepseek2", "gpt-oss")
+GPT_OSS_GGUF = dict(qkv_bias=True, o_bias=True, attn_sinks=True, moe_bias=True, swiglu_limit=7.0)  # its fixed fields
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -76,6 +77,21 @@ def qwen3_moe_args(cfg: dict, n_layers: int) -> dict:
                 dense_layers=dense)
 
 
+def family_args(cfg: dict, arch: str, size: Callable) -> dict:
+    """The ModelArgs fields a mixture of experts, DeepSeek or gpt-oss config.json sets beyond the Llama keys
+    from_hf_config reads (those it names, such as head_dim, it takes from here first)."""
+    n_layers = size("num_hidden_layers")
+    if arch == "MixtralForCausalLM":
+        return dict(n_experts=size("num_local_experts", 8), n_experts_per_token=size("num_experts_per_tok", 2))
+    if arch == "Qwen3MoeForCausalLM":  # the hub's configs say num_experts, transformers 5 writes num_local_experts
+        return dict(qwen3_moe_args(cfg, n_layers), n_experts=size("num_local_experts", cfg.get("num_experts")),
+                    n_experts_per_token=size("num_experts_per_tok", 2))
+    if arch == "GptOssForCausalLM":  # its experts are MLPs of intermediate_size, routed as Mixtral's
+        return dict(gpt_oss_args(cfg, n_layers), n_experts=size("num_local_experts"),
+                    n_experts_per_token=size("num_experts_per_tok"))
+    return deepseek_args(cfg, arch, n_layers) if arch in DEEPSEEK else {}
+
+
 def deepseek_args(cfg: dict, arch: str, n_layers: int) -> dict:
     """The ModelArgs fields of a DeepSeek-V2/V3 config.json: multi-head latent attention (head_dim is a query's and
     key's nope + rope dims) and the MoE: experts after the first first_k_dense_replace layers, shared experts, V2's
@@ -104,6 +120,16 @@ def deepseek_args(cfg: dict, arch: str, n_layers: int) -> dict:
         moe_renormalize=v3 and cfg.get("norm_topk_prob", True) is True, router_scoring="sigmoid" if v3 else "softmax",
         n_group=size("n_group", 1) if grouped else 1, topk_group=size("topk_group", 1) if grouped else 1,
         routed_scaling=positive_number(cfg.get("routed_scaling_factor", 1.0), "config.json routed_scaling_factor"))
+
+
+def gguf_family_args(meta: dict, arch: str, size: Callable, number: Callable, windowed: bool) -> dict:
+    """The ModelArgs fields of a qwen3moe, deepseek2 or gpt-oss file beyond the Llama keys from_gguf reads (those it
+    names, such as head_dim, it takes from here first), as llama.cpp reads them."""
+    if arch == "qwen3moe":  # every layer sparse, experts of expert_feed_forward_length, the top-k renormalized
+        return dict(moe_hidden_dim=size("expert_feed_forward_length"))
+    if arch == "gpt-oss":  # every other layer windowed, from the first; the SwiGLU clamped at 7
+        return dict(GPT_OSS_GGUF, sliding_layers=tuple(range(0, size("block_count"), 2)) if windowed else None)
+    return deepseek_gguf_args(meta, size, number, size("attention.head_count")) if arch == "deepseek2" else {}
 
 
 def deepseek_gguf_args(meta: dict, size: Callable, number: Callable, n_heads: int) -> dict:
@@ -376,11 +402,7 @@ class ModelArgs:
         tie = cfg.get("tie_word_embeddings", gemma)  # transformers' default: Gemma's configs leave it out, tied
         if not isinstance(tie, bool):
             raise ValueError(f"config.json tie_word_embeddings must be true or false, got {tie!r}")
-        moe = archs[0] in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
-        family = deepseek_args(cfg, archs[0], size("num_hidden_layers")) if archs[0] in DEEPSEEK else {}
-        if archs[0] == "GptOssForCausalLM":  # its experts are MLPs of intermediate_size, routed as Mixtral's
-            family = dict(gpt_oss_args(cfg, size("num_hidden_layers")), n_experts=size("num_local_experts"),
-                          n_experts_per_token=size("num_experts_per_tok"))
+        family = family_args(cfg, archs[0], size)
         return cls(
             vocab_size=size("vocab_size"),
             dim=size("hidden_size"),
@@ -396,11 +418,8 @@ class ModelArgs:
             # Qwen's config.json sets sliding_window but uses it only with use_sliding_window
             sliding_window=size("sliding_window") if archs[0] in WINDOWED else None,
             tie_embeddings=tie,
-            # Qwen3-MoE's hub configs say num_experts, transformers 5 writes num_local_experts
-            n_experts=size("num_local_experts", 8 if archs[0] == "MixtralForCausalLM" else cfg.get("num_experts"))
-            if moe else family.pop("n_experts", None),
-            n_experts_per_token=size("num_experts_per_tok", 2) if moe else family.pop("n_experts_per_token", 2),
-            **(qwen3_moe_args(cfg, size("num_hidden_layers")) if archs[0] == "Qwen3MoeForCausalLM" else {}),
+            n_experts=family.pop("n_experts", None),
+            n_experts_per_token=family.pop("n_experts_per_token", 2),
             qkv_bias=family.pop("qkv_bias", archs[0] == "Qwen2ForCausalLM"),
             qk_norm=archs[0] in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),  # Gemma 3's: 1 + w
             fused_checkpoint=archs[0] == "Phi3ForCausalLM",
@@ -437,10 +456,7 @@ class ModelArgs:
         window = meta.get(f"{arch}.attention.sliding_window") or (4096 if arch == "gemma2" else 0)  # 0: none
         n_heads = size("attention.head_count")
         n_experts = size("expert_count") if meta.get(f"{arch}.expert_count", 0) != 0 else None  # Mixtral: > 0
-        family = deepseek_gguf_args(meta, size, number, n_heads) if arch == "deepseek2" else {}
-        if arch == "gpt-oss":  # llama.cpp's: every other layer windowed, from the first; the SwiGLU clamped at 7
-            family = dict(qkv_bias=True, o_bias=True, attn_sinks=True, moe_bias=True, swiglu_limit=7.0,
-                          sliding_layers=tuple(range(0, size("block_count"), 2)) if window else None)
+        family = gguf_family_args(meta, arch, size, number, bool(window))
         args = cls(
             vocab_size=size("vocab_size", len(meta.get("tokenizer.ggml.tokens", ()))),
             dim=size("embedding_length"),
@@ -458,9 +474,7 @@ class ModelArgs:
             n_experts_per_token=size("expert_used_count", 2) if n_experts else 2,
             qkv_bias=family.pop("qkv_bias", arch == "qwen2"),
             qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
-            # llama.cpp's qwen3moe: every layer sparse, experts of expert_feed_forward_length, top-k renormalized
-            moe_hidden_dim=family.pop("moe_hidden_dim", None) or (size("expert_feed_forward_length")
-                                                                     if arch == "qwen3moe" else None),
+            moe_hidden_dim=family.pop("moe_hidden_dim", None),
             fused_checkpoint=arch == "phi3",  # attn_qkv, and ffn_up holding gate | up
             sliding_window=positive_int(window, f"GGUF metadata {arch}.attention.sliding_window") if window else None,
             rope_dim=family.pop("rope_dim", None) or (  # Phi-4-mini's partial rotary

@@ -7,14 +7,20 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
+                 "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
+DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", *GEMMA)  # those whose sliding_window applies
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")  # llama.cpp's general.architecture
+# those whose sliding_window applies
+WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GptOssForCausalLM", *GEMMA)
+# llama.cpp's general.architecture
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "deepseek2", "gpt-oss")
+GPT_OSS_GGUF = dict(qkv_bias=True, o_bias=True, attn_sinks=True, moe_bias=True, swiglu_limit=7.0)  # its fixed fields
 # Each rope type and the rope_scaling keys its frequencies need (rope_inv_freq).
 ROPE_PARAMS = {"default": (), "linear": ("factor",),
                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-               "longrope": ("original_max_position_embeddings",)}  # and its short_factor, long_factor lists
+               "longrope": ("original_max_position_embeddings",),  # and its short_factor, long_factor lists
+               "yarn": ("factor", "original_max_position_embeddings")}
 
 
 def positive_int(value, what: str) -> int:
@@ -54,6 +60,113 @@ def gemma_args(cfg: dict, n_layers: int, gemma3: bool) -> dict:
                 attn_scale=number("query_pre_attn_scalar", 256) ** -0.5,
                 attn_softcap=number("attn_logit_softcapping", None if gemma3 else 50.0),
                 final_softcap=number("final_logit_softcapping", None if gemma3 else 30.0))
+
+
+def qwen3_moe_args(cfg: dict, n_layers: int) -> dict:
+    """Qwen3-MoE's expert width and routing, and its dense layers as transformers picks them: those listed in
+    mlp_only_layers, and those whose number + 1 is not a multiple of decoder_sparse_step."""
+    width, step = cfg.get("moe_intermediate_size"), cfg.get("decoder_sparse_step") or 1
+    only, renormalize = cfg.get("mlp_only_layers") or [], cfg.get("norm_topk_prob", False)
+    if not isinstance(only, list) or not all(isinstance(i, int) and 0 <= i < n_layers for i in only):
+        raise ValueError(f"config.json mlp_only_layers must list layer numbers below {n_layers}, got {only!r}")
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"config.json norm_topk_prob must be true or false, got {renormalize!r}")
+    step = positive_int(step, "config.json decoder_sparse_step")
+    dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+    return dict(moe_hidden_dim=positive_int(width, "config.json moe_intermediate_size"), moe_renormalize=renormalize,
+                dense_layers=dense)
+
+
+def family_args(cfg: dict, arch: str, size: Callable) -> dict:
+    """The ModelArgs fields a mixture of experts, DeepSeek or gpt-oss config.json sets beyond the Llama keys
+    from_hf_config reads (those it names, such as head_dim, it takes from here first)."""
+    n_layers = size("num_hidden_layers")
+    if arch == "MixtralForCausalLM":
+        return dict(n_experts=size("num_local_experts", 8), n_experts_per_token=size("num_experts_per_tok", 2))
+    if arch == "Qwen3MoeForCausalLM":  # the hub's configs say num_experts, transformers 5 writes num_local_experts
+        return dict(qwen3_moe_args(cfg, n_layers), n_experts=size("num_local_experts", cfg.get("num_experts")),
+                    n_experts_per_token=size("num_experts_per_tok", 2))
+    if arch == "GptOssForCausalLM":  # its experts are MLPs of intermediate_size, routed as Mixtral's
+        return dict(gpt_oss_args(cfg, n_layers), n_experts=size("num_local_experts"),
+                    n_experts_per_token=size("num_experts_per_tok"))
+    return deepseek_args(cfg, arch, n_layers) if arch in DEEPSEEK else {}
+
+
+def deepseek_args(cfg: dict, arch: str, n_layers: int) -> dict:
+    """The ModelArgs fields of a DeepSeek-V2/V3 config.json: multi-head latent attention (head_dim is a query's and
+    key's nope + rope dims) and the MoE: experts after the first first_k_dense_replace layers, shared experts, V2's
+    softmax router (greedy, or group_limited_greedy) or V3's sigmoid one (noaux_tc: grouped, corrected, renormalized
+    with norm_topk_prob), the weights scaled by routed_scaling_factor."""
+    def size(key: str, default: int | None = None) -> int | None:
+        value = cfg.get(key, default)
+        return None if value is None else positive_int(value, f"config.json {key}")
+
+    v3, experts = arch == "DeepseekV3ForCausalLM", size("n_routed_experts")
+    method = "noaux_tc" if v3 else cfg.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"unsupported config.json topk_method {method!r}; supported: 'greedy', 'group_limited_greedy'")
+    grouped = method != "greedy"
+    rope, nope = size("qk_rope_head_dim", 64), cfg.get("qk_nope_head_dim", 128)
+    if isinstance(nope, bool) or not isinstance(nope, int) or nope < 0:
+        raise ValueError(f"config.json qk_nope_head_dim must be a non-negative integer, got {nope!r}")
+    return dict(
+        n_kv_heads=size("num_attention_heads"),  # MLA has no kv heads: its one latent serves every head
+        kv_lora_rank=size("kv_lora_rank", 512), q_lora_rank=size("q_lora_rank"), head_dim=nope + rope, rope_dim=rope,
+        v_head_dim=size("v_head_dim", 128), rope_interleaved=cfg.get("rope_interleave", True) is not False,
+        n_experts=experts, n_experts_per_token=size("num_experts_per_tok", 1) if experts else 2,
+        moe_hidden_dim=size("moe_intermediate_size", 1407) if experts else None,
+        n_shared_experts=cfg.get("n_shared_experts") or 0,
+        dense_layers=tuple(range(min(cfg.get("first_k_dense_replace") or 0, n_layers))) if experts else (),
+        moe_renormalize=v3 and cfg.get("norm_topk_prob", True) is True, router_scoring="sigmoid" if v3 else "softmax",
+        n_group=size("n_group", 1) if grouped else 1, topk_group=size("topk_group", 1) if grouped else 1,
+        routed_scaling=positive_number(cfg.get("routed_scaling_factor", 1.0), "config.json routed_scaling_factor"))
+
+
+def gguf_family_args(meta: dict, arch: str, size: Callable, number: Callable, windowed: bool) -> dict:
+    """The ModelArgs fields of a qwen3moe, deepseek2 or gpt-oss file beyond the Llama keys from_gguf reads (those it
+    names, such as head_dim, it takes from here first), as llama.cpp reads them."""
+    if arch == "qwen3moe":  # every layer sparse, experts of expert_feed_forward_length, the top-k renormalized
+        return dict(moe_hidden_dim=size("expert_feed_forward_length"))
+    if arch == "gpt-oss":  # every other layer windowed, from the first; the SwiGLU clamped at 7
+        return dict(GPT_OSS_GGUF, sliding_layers=tuple(range(0, size("block_count"), 2)) if windowed else None)
+    return deepseek_gguf_args(meta, size, number, size("attention.head_count")) if arch == "deepseek2" else {}
+
+
+def deepseek_gguf_args(meta: dict, size: Callable, number: Callable, n_heads: int) -> dict:
+    """A deepseek2 file's ModelArgs fields as llama.cpp reads them: the MLA dims (key_length_mla = nope + rope,
+    value_length_mla), its experts and router (softmax unless expert_gating_func is 2, sigmoid), rotary pairs
+    interleaved (llama.cpp's NORM rope, the weights as transformers holds them)."""
+    experts = meta.get("deepseek2.expert_count", 0) != 0
+    gating = meta.get("deepseek2.expert_gating_func", 1)
+    if gating not in (1, 2):
+        raise ValueError(f"unsupported GGUF deepseek2.expert_gating_func {gating!r}; supported: 1 (softmax), "
+                         "2 (sigmoid)")
+    return dict(
+        n_kv_heads=n_heads, head_dim=size("attention.key_length_mla"), rope_dim=size("rope.dimension_count"),
+        v_head_dim=size("attention.value_length_mla"), kv_lora_rank=size("attention.kv_lora_rank"),
+        q_lora_rank=size("attention.q_lora_rank") if "deepseek2.attention.q_lora_rank" in meta else None,
+        rope_interleaved=True, moe_hidden_dim=size("expert_feed_forward_length") if experts else None,
+        n_shared_experts=meta.get("deepseek2.expert_shared_count", 0) if experts else 0,
+        dense_layers=tuple(range(meta.get("deepseek2.leading_dense_block_count", 0))) if experts else (),
+        routed_scaling=number("expert_weights_scale", 1.0), moe_renormalize=meta.get("deepseek2.expert_weights_norm",
+                                                                                     False) is True,
+        router_scoring="sigmoid" if gating == 2 else "softmax", n_group=size("expert_group_count", 1),
+        topk_group=size("expert_group_used_count", 1))
+
+
+def gpt_oss_args(cfg: dict, n_layers: int) -> dict:
+    """gpt-oss: biases on q/k/v/o, on the router and on every expert; learned attention sinks; the clamped SwiGLU
+    (swiglu_limit; its alpha 1.702 is the only one published); layer_types' sliding layers (every other one, from
+    the first, unless listed)."""
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"config.json layer_types must list sliding_attention or full_attention for each of the "
+                         f"{n_layers} layers, got {types!r}")
+    if cfg.get("swiglu_alpha", 1.702) != 1.702:
+        raise ValueError(f"unsupported config.json swiglu_alpha {cfg['swiglu_alpha']!r}; supported: 1.702")
+    return dict(qkv_bias=True, o_bias=True, attn_sinks=True, moe_bias=True,
+                swiglu_limit=positive_number(cfg.get("swiglu_limit", 7.0), "config.json swiglu_limit"),
+                sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
 
 
 def gemma3_rope(cfg: dict, rope: dict) -> tuple[dict, float]:
@@ -98,8 +211,22 @@ def gguf_rope_scaling(meta: dict, arch: str, size: Callable, number: Callable,
     """A GGUF file's RoPE scaling (None, linear, or Phi-3's longrope as llama.cpp's converter writes it: the factors
     as tensors, the context they extend in the metadata), as ModelArgs.rope_scaling holds it."""
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "yarn" and arch == "deepseek2":
+        # as llama.cpp reads deepseek2: cos and sin unscaled (mscale as mscale_all_dim, the published models'), the
+        # softmax scale by mscale_all_dim, which the file keeps as yarn_log_multiplier = 0.1 x mscale_all_dim
+        return {"rope_type": "yarn", "factor": number("rope.scaling.factor", None),
+                "original_max_position_embeddings": size("rope.scaling.original_context_length"),
+                "beta_fast": number("rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": number("rope.scaling.yarn_beta_slow", 1.0), "attention_factor": 1.0,
+                "mscale_all_dim": meta.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) / 0.1}
+    if scaling_type == "yarn" and arch == "gpt-oss":  # transformers' gpt-oss: its correction range untruncated
+        return {"rope_type": "yarn", "factor": number("rope.scaling.factor", None), "truncate": False,
+                "original_max_position_embeddings": size("rope.scaling.original_context_length"),
+                "beta_fast": number("rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": number("rope.scaling.yarn_beta_slow", 1.0)}
     if scaling_type not in ("none", "linear"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear'")
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: 'none', 'linear' (and 'yarn' "
+                         "for deepseek2 and gpt-oss)")
     rope_scaling = None
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", None)}
@@ -163,6 +290,24 @@ class ModelArgs:
     tie_embeddings: bool = False
     n_experts: int | None = None  # Mixtral: a sparse mixture of SwiGLU experts per layer; None: one dense MLP
     n_experts_per_token: int = 2  # Mixtral: experts each token is routed to (top-k)
+    moe_hidden_dim: int | None = None  # Qwen3-MoE: each expert's width (moe_intermediate_size); None: hidden_dim
+    moe_renormalize: bool = True  # the top-k routing weights rescaled to sum to 1 (Qwen3-MoE's norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE, DeepSeek: layers with one dense MLP of hidden_dim
+    # DeepSeek-V2/V3: multi-head latent attention (MLA) and its router
+    kv_lora_rank: int | None = None  # MLA: keys and values come from a latent this wide, which is what is cached
+    q_lora_rank: int | None = None  # MLA: queries through a low-rank bottleneck this wide; None: one q_proj
+    v_head_dim: int | None = None  # MLA: a head's value width (head_dim: a query's and key's nope + rope dims)
+    rope_interleaved: bool = False  # DeepSeek: rotated dims pair (2i, 2i + 1), as the model rotates them
+    n_shared_experts: int = 0  # DeepSeek: experts every token runs through, one MLP of n x moe_hidden_dim
+    router_scoring: str = "softmax"  # DeepSeek-V3: "sigmoid", experts chosen with a learned correction bias
+    n_group: int = 1  # DeepSeek: experts in n_group groups; a token's experts come from its best topk_group groups
+    topk_group: int = 1
+    routed_scaling: float = 1.0  # DeepSeek: the routing weights multiplied by this
+    # gpt-oss
+    o_bias: bool = False  # o_proj has a bias
+    attn_sinks: bool = False  # a learned logit per head joins each softmax (model.Sinks)
+    moe_bias: bool = False  # the router and each expert's linears have biases
+    swiglu_limit: float | None = None  # the experts' clamped SwiGLU: gate <= limit, |up| <= limit
     qkv_bias: bool = False  # Qwen2: q_proj, k_proj and v_proj have biases
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused, as we run them
@@ -214,6 +359,11 @@ class ModelArgs:
         if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
             raise ValueError(f"rope_scaling high_freq_factor {scaling['high_freq_factor']} must be greater than "
                              f"low_freq_factor {scaling['low_freq_factor']} (llama3 rope divides by their difference)")
+        if self.n_experts is not None and (self.n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group):
+            raise ValueError(f"{self.n_experts} experts in {self.n_group} groups, the best {self.topk_group} of them: "
+                             "n_group must divide the experts and topk_group be within 1..n_group")
+        if any(not 0 <= i < self.n_layers for i in self.dense_layers):
+            raise ValueError(f"dense layers {self.dense_layers} are not all within 0..{self.n_layers - 1}")
         if self.n_experts is not None and not 1 <= self.n_experts_per_token <= self.n_experts:
             raise ValueError(f"{self.n_experts_per_token} experts per token is not within 1..{self.n_experts} experts")
 
@@ -233,7 +383,7 @@ class ModelArgs:
         act = cfg.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported {act_key} {act!r}; supported: 'silu', 'gelu_pytorch_tanh'")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # Qwen2's q/k/v biases need no key: it always has them
+        if cfg.get("attention_bias") and archs[0] != "GptOssForCausalLM" or cfg.get("mlp_bias"):  # Qwen2's need no key
             raise ValueError("unsupported config: attention_bias/mlp_bias must be false")
         if cfg.get("use_sliding_window"):  # Qwen: a window on the layers past max_window_layers only
             raise ValueError("unsupported config: use_sliding_window must be false")
@@ -252,15 +402,15 @@ class ModelArgs:
         tie = cfg.get("tie_word_embeddings", gemma)  # transformers' default: Gemma's configs leave it out, tied
         if not isinstance(tie, bool):
             raise ValueError(f"config.json tie_word_embeddings must be true or false, got {tie!r}")
-        moe = archs[0] == "MixtralForCausalLM"
+        family = family_args(cfg, archs[0], size)
         return cls(
             vocab_size=size("vocab_size"),
             dim=size("hidden_size"),
             n_layers=size("num_hidden_layers"),
             n_heads=size("num_attention_heads"),
             hidden_dim=size("intermediate_size"),
-            n_kv_heads=size("num_key_value_heads"),
-            head_dim=size("head_dim"),
+            n_kv_heads=family.pop("n_kv_heads", size("num_key_value_heads")),
+            head_dim=family.pop("head_dim", size("head_dim")),  # DeepSeek's config head_dim is its rope dims
             norm_eps=positive_number(cfg.get("rms_norm_eps", 1e-6), "config.json rms_norm_eps"),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -268,14 +418,14 @@ class ModelArgs:
             # Qwen's config.json sets sliding_window but uses it only with use_sliding_window
             sliding_window=size("sliding_window") if archs[0] in WINDOWED else None,
             tie_embeddings=tie,
-            n_experts=size("num_local_experts", 8) if moe else None,
-            n_experts_per_token=size("num_experts_per_tok", 2) if moe else 2,
-            qkv_bias=archs[0] == "Qwen2ForCausalLM",
-            qk_norm=archs[0] in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),  # Gemma 3's with norm_plus_one
+            n_experts=family.pop("n_experts", None),
+            n_experts_per_token=family.pop("n_experts_per_token", 2),
+            qkv_bias=family.pop("qkv_bias", archs[0] == "Qwen2ForCausalLM"),
+            qk_norm=archs[0] in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),  # Gemma 3's: 1 + w
             fused_checkpoint=archs[0] == "Phi3ForCausalLM",
-            rope_dim=None if partial == 1 else int(head_dim * partial),  # rounded down, as transformers does
+            rope_dim=family.pop("rope_dim", None if partial == 1 else int(head_dim * partial)),  # rounded down
             **(gemma_args(cfg, size("num_hidden_layers"), archs[0] == "Gemma3ForCausalLM") if gemma else {}),
-            mlp_act=act, rope_local_theta=local_theta,
+            mlp_act=act, rope_local_theta=local_theta, **family,
         )
 
     @classmethod
@@ -306,14 +456,15 @@ class ModelArgs:
         window = meta.get(f"{arch}.attention.sliding_window") or (4096 if arch == "gemma2" else 0)  # 0: none
         n_heads = size("attention.head_count")
         n_experts = size("expert_count") if meta.get(f"{arch}.expert_count", 0) != 0 else None  # Mixtral: > 0
+        family = gguf_family_args(meta, arch, size, number, bool(window))
         args = cls(
             vocab_size=size("vocab_size", len(meta.get("tokenizer.ggml.tokens", ()))),
             dim=size("embedding_length"),
             n_layers=size("block_count"),
             n_heads=n_heads,
             hidden_dim=size("feed_forward_length"),
-            n_kv_heads=size("attention.head_count_kv", n_heads),
-            head_dim=head_dim,
+            n_kv_heads=family.pop("n_kv_heads", None) or size("attention.head_count_kv", n_heads),
+            head_dim=family.pop("head_dim", head_dim),  # deepseek2's key_length is its cached latent's width
             norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=number("rope.freq_base", 10000.0),
             rope_scaling=rope_scaling,
@@ -321,31 +472,36 @@ class ModelArgs:
             tie_embeddings="output.weight" not in tensor_names,  # llama.cpp drops the head of tied models
             n_experts=n_experts,
             n_experts_per_token=size("expert_used_count", 2) if n_experts else 2,
-            qkv_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qkv_bias=family.pop("qkv_bias", arch == "qwen2"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
+            moe_hidden_dim=family.pop("moe_hidden_dim", None),
             fused_checkpoint=arch == "phi3",  # attn_qkv, and ffn_up holding gate | up
             sliding_window=positive_int(window, f"GGUF metadata {arch}.attention.sliding_window") if window else None,
-            rope_dim=size("rope.dimension_count") if arch == "phi3" and f"{arch}.rope.dimension_count" in meta
-            else None,  # Phi-4-mini's partial rotary
+            rope_dim=family.pop("rope_dim", None) or (  # Phi-4-mini's partial rotary
+                size("rope.dimension_count") if arch == "phi3" and f"{arch}.rope.dimension_count" in meta else None),
             **(gemma_gguf_args(meta, arch, size("block_count"), size("embedding_length") // n_heads, head_dim)
                if arch in ("gemma2", "gemma3") else {}),
+            **family,
         )
         if meta.get(f"{arch}.rope.dimension_count", args.rope_dim) != args.rope_dim:
             raise ValueError("unsupported GGUF: partial rotary embeddings (rope.dimension_count != head dim)")
         return args
 
     def to_hf_config(self) -> dict:
-        """A Hugging Face config.json (LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
-        Phi3ForCausalLM) that from_hf_config reads back as these args (export.py writes it for a GGUF source)."""
+        """A Hugging Face config.json (LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+        Qwen3MoeForCausalLM or Phi3ForCausalLM) that from_hf_config reads back as these args (export.py writes it for a
+        GGUF source)."""
         if self.rope_freq_factors is not None:
             raise ValueError("this GGUF file has per-frequency rope factors (rope_freqs), which a config.json "
                              "cannot express; save from the Hugging Face checkpoint instead")
         if self.sliding_window is not None or self.sandwich_norms:
             raise ValueError("sliding-window and Gemma models are saved from their Hugging Face folder, not from GGUF")
         moe = self.n_experts is not None
-        model_type = ("mixtral" if moe else "qwen2" if self.qkv_bias else "qwen3" if self.qk_norm else
+        model_type = ("qwen3_moe" if moe and self.qk_norm else "mixtral" if moe else
+                      "qwen2" if self.qkv_bias else "qwen3" if self.qk_norm else
                       "phi3" if self.fused_checkpoint else "llama")
-        arch = ARCHITECTURES[("llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3").index(model_type)]
+        arch = ARCHITECTURES[("llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "", "", "qwen3_moe")
+                             .index(model_type)]
         cfg = {
             "architectures": [arch],
             "model_type": model_type, "vocab_size": self.vocab_size,
@@ -359,6 +515,10 @@ class ModelArgs:
             cfg["rope_scaling"] = dict(self.rope_scaling)
         if self.rope_dim != self.head_dim:
             cfg["partial_rotary_factor"] = self.rope_dim / self.head_dim
-        if moe:
+        if model_type == "mixtral":
             cfg.update(num_local_experts=self.n_experts, num_experts_per_tok=self.n_experts_per_token)
+        elif moe:
+            cfg.update(num_experts=self.n_experts, num_experts_per_tok=self.n_experts_per_token,
+                       moe_intermediate_size=self.moe_hidden_dim, norm_topk_prob=self.moe_renormalize,
+                       mlp_only_layers=list(self.dense_layers))
         return cfg

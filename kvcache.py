@@ -8,11 +8,23 @@ the cache.
 - BlockPool / PagedKVCache (paged, for engine.py): a pool of fixed-size blocks handed to sequences on demand, and
   the view of one batch's block tables that the model's layers update and attend through.
 
-Shape legend: B batch, K key/value heads, S cache length (max_seq_len), T new tokens, D head dim.
+- Multi-head latent attention (DeepSeek, models/deepseek.py) caches one latent per token and layer, [c_kv | k_pe]
+  (kv_lora_rank + qk_rope_head_dim): stored here as one key head of that width with an empty value (cache_dims),
+  so every cache above holds it unchanged and its bytes per token are that width x layers x the dtype's bytes.
+
+Shape legend: B batch, K key/value heads, S cache length (max_seq_len), T new tokens, D head dim (Dv the values').
 """
 import torch
 
 KV_DTYPES = ("model", "int8")
+
+
+def cache_dims(args) -> tuple[int, int, int]:
+    """(K, D, Dv) a ModelArgs' cache holds per position and layer: its kv heads of head_dim keys and values, or for
+    latent attention one head whose key is the latent (kv_lora_rank + rope dims) and whose value is empty."""
+    if args.kv_lora_rank is not None:
+        return 1, args.kv_lora_rank + args.rope_dim, 0
+    return args.n_kv_heads, args.head_dim, args.head_dim
 
 
 def mark_static(*buffers: torch.Tensor) -> None:
@@ -25,12 +37,13 @@ def mark_static(*buffers: torch.Tensor) -> None:
 
 
 class LayerKVCache:
-    """One layer's keys and values, (B, K, S, D) each."""
+    """One layer's keys (B, K, S, D) and values (B, K, S, Dv), Dv = D unless value_dim says (0: latent attention)."""
 
-    def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device):
+    def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device,
+                 value_dim: int | None = None):
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape[:3] + (head_dim if value_dim is None else value_dim,), dtype=dtype, device=device)
         mark_static(self.k, self.v)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -44,7 +57,7 @@ class LayerKVCache:
         else:
             rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1), broadcast against (B, T)
             self.k[rows, :, input_pos] = k.transpose(1, 2).to(self.k.dtype)  # indexed view is (B, T, K, D)
-            self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)
+            self.v[rows, :, input_pos] = v.transpose(1, 2).to(self.v.dtype)  # (B, T, K, Dv)
         return self.k, self.v
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
@@ -52,20 +65,25 @@ class LayerKVCache:
 
 
 class Int8LayerKVCache:
-    """One layer's keys and values as int8 (B, K, S, D) with float32 scales (B, K, S, 1): per token, per head."""
+    """One layer's keys and values as int8 (B, K, S, D) with float32 scales (B, K, S, 1): per token, per head. An
+    empty value (value_dim 0: latent attention's) has no scales either."""
 
-    def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device):
+    def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device,
+                 value_dim: int | None = None):
         self.dtype = dtype  # what update() returns
         shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
+        value_dim = head_dim if value_dim is None else value_dim
         self.k = torch.zeros(shape, dtype=torch.int8, device=device)
-        self.v = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.v = torch.zeros(shape[:3] + (value_dim,), dtype=torch.int8, device=device)
         self.k_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32, device=device)
-        self.v_scale = torch.zeros(shape[:3] + (1,), dtype=torch.float32, device=device)
+        self.v_scale = torch.zeros(shape[:3] + (min(value_dim, 1),), dtype=torch.float32, device=device)
         mark_static(self.k, self.v, self.k_scale, self.v_scale)
 
     @staticmethod
     def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, K, T, D) -> int8 codes (B, K, T, D) and scales (B, K, T, 1): x ~= codes * scales."""
+        if x.shape[-1] == 0:  # latent attention's empty value: nothing to scale
+            return x.to(torch.int8), x.float()
         scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127  # (B, K, T, 1)
         return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8), scale
 
@@ -92,13 +110,13 @@ class KVCache:
     """Per-layer caches for one batch of sequences. The caller owns positions; nothing here advances."""
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, kv_dtype: str = "model"):
+                 dtype: torch.dtype, device: torch.device | str, kv_dtype: str = "model", value_dim: int | None = None):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown KV cache dtype {kv_dtype!r}; allowed: {', '.join(KV_DTYPES)}")
         self.max_seq_len = max_seq_len
         self.batch_size = batch_size
         layer_cls = Int8LayerKVCache if kv_dtype == "int8" else LayerKVCache
-        self.layers = [layer_cls(batch_size, n_kv_heads, max_seq_len, head_dim, dtype, device)
+        self.layers = [layer_cls(batch_size, n_kv_heads, max_seq_len, head_dim, dtype, device, value_dim)
                        for _ in range(n_layers)]
 
     @classmethod
@@ -106,7 +124,8 @@ class KVCache:
                   device: torch.device | str, kv_dtype: str = "model") -> "KVCache":
         """A cache shaped for ModelArgs `args` holding max_seq_len positions; kv_dtype "model" or "int8"."""
         assert max_seq_len <= args.max_seq_len, f"{max_seq_len} vs context {args.max_seq_len}"
-        return cls(args.n_layers, batch_size, args.n_kv_heads, max_seq_len, args.head_dim, dtype, device, kv_dtype)
+        K, D, Dv = cache_dims(args)
+        return cls(args.n_layers, batch_size, K, max_seq_len, D, dtype, device, kv_dtype, None if Dv == D else Dv)
 
     def positions(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The positions RoPE and the mask give the queries at input_pos and the S slots: slot j holds position j."""
@@ -120,7 +139,8 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one position of one sequence takes across layers: 2 (k and v) x layers x kv heads x
-        (head dim x element size, + 4 for the float32 scale when int8)."""
+        (head dim x element size, + 4 for the float32 scale when int8); latent attention: layers x (latent width x
+        element size, + 4 when int8)."""
         return self.nbytes // (self.batch_size * self.max_seq_len)
 
 
@@ -134,17 +154,19 @@ class BlockPool:
     Block 0 is never handed out: it pads block tables, and the mask hides whatever it holds."""
 
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, value_dim: int | None = None):
         shape = (num_blocks, n_kv_heads, block_size, head_dim)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        v_shape = shape[:3] + (head_dim if value_dim is None else value_dim,)  # latent attention: (N_blocks, 1, bs, 0)
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(n_layers)]
         mark_static(*self.k, *self.v)
 
     @classmethod
     def for_model(cls, args, num_blocks: int, block_size: int, dtype: torch.dtype,
                   device: torch.device | str) -> "BlockPool":
-        return cls(args.n_layers, num_blocks, block_size, args.n_kv_heads, args.head_dim, dtype, device)
+        K, D, Dv = cache_dims(args)
+        return cls(args.n_layers, num_blocks, block_size, K, D, dtype, device, None if Dv == D else Dv)
 
     @property
     def nbytes(self) -> int:
@@ -185,7 +207,7 @@ class PagedLayer:
                k_unrotated: torch.Tensor | None = None):
         """Write k, v (B, K, T, D) at positions input_pos ((T,) or (B, T)) into the rows' blocks; return every
         row's blocks gathered, (B, K, S, D). k_unrotated: as LayerKVCache.update's, unused."""
-        B, K, T, D = k.shape
+        B, K, T, _ = k.shape
         pos = input_pos.expand(B, T)  # (B, T)
         blocks = self.tables.gather(1, pos // self.block_size)  # (B, T) block ids
         slots = pos % self.block_size  # (B, T)
@@ -195,6 +217,6 @@ class PagedLayer:
 
         def gather(pool: torch.Tensor) -> torch.Tensor:
             # (B, N) ids -> (B, N, K, bs, D) -> (B, K, N, bs, D) -> (B, K, S, D)
-            return pool[self.tables].transpose(1, 2).reshape(B, K, N * self.block_size, D)
+            return pool[self.tables].transpose(1, 2).reshape(B, K, N * self.block_size, pool.shape[-1])
 
         return gather(self.k_pool), gather(self.v_pool)

@@ -32,6 +32,7 @@ from formats import weightcache
 from formats.checkpoint import Filler, check_tensors, checkpoint_shapes, checkpoint_state
 from config import ModelArgs
 from model import Transformer
+from models.families import build_model
 from quantize import Int4Linear, Int8GroupLinear, make_quantized_linear, mode_name, parse_mode, swap_linears
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -136,6 +137,17 @@ def load_model(model: str, device: torch.device | str, dtype: torch.dtype, progr
     return load_gguf(path, torch.device(device), dtype, progress, request, shard, cache_dir), path
 
 
+def check_shardable(args: ModelArgs, shard) -> None:
+    """Tensor parallel (a shard) splits the dense width and Mixtral's experts; a ValueError for what it cannot."""
+    if shard is not None and args.kv_lora_rank is not None:
+        raise ValueError("tensor parallel does not split DeepSeek's latent attention (MLA); run it on one device")
+    if shard is not None and args.moe_bias:
+        raise ValueError("tensor parallel does not split gpt-oss's experts (their biases); run it on one device")
+    if shard is not None and args.moe_hidden_dim is not None:
+        raise ValueError("tensor parallel does not split Qwen3-MoE's experts (moe_intermediate_size); run it on one "
+                         "device")
+
+
 def release_freed_memory() -> None:
     """Hand freed heap memory back to the OS: glibc keeps the per-tensor temporaries (float32 copies, quantization
     intermediates) fragmented, so without this the peak RSS of a load grows with every tensor. A no-op off glibc."""
@@ -146,7 +158,8 @@ def release_freed_memory() -> None:
 
 # ---- Hugging Face folders ----
 
-SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16")  # what a float weight may be stored as: it is cast to the dtype
+# what a float weight may be stored as: it is cast to the dtype (MXFP4: gpt-oss's experts, decoded as read)
+SAFETENSORS_FLOATS = ("F64", "F32", "F16", "BF16", "MXFP4")
 SAFETENSORS_INTS = {torch.int8: "I8", torch.uint8: "U8", torch.int64: "I64"}  # codes: int8, int4 in bytes; in_perm
 
 
@@ -185,6 +198,7 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, reques
         raise FileNotFoundError(f"no config.json in model folder {path!r}")
     config = hffolder.read_json(config_file)
     full_args = ModelArgs.from_hf_config(config)
+    check_shardable(full_args, shard)
     files = hffolder.safetensors_files(path)
     packed = hfquant.packed_format(config, config_file)
     if packed is not None:
@@ -195,10 +209,10 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, reques
                          "original weights with --quantize instead")
 
     with torch.device("meta"):
-        model = shard.model(full_args) if shard else Transformer(full_args)
+        model = shard.model(full_args) if shard else build_model(full_args)
     if saved is not None:  # the saved modules first: the file holds their buffers
         swap_linears(model, *saved)
-    handles, found = hffolder.open_safetensors(path, files)
+    handles, found = hffolder.open_safetensors(path, files, full_args.attn_sinks)
     shapes = {k: shard.local_shape(k, v[2], full_args) if shard else v[2] for k, v in found.items()}
     check_tensors(checkpoint_shapes(model), shapes, path)
     check_dtypes(model, {k: v[4] for k, v in found.items()}, path)
@@ -223,7 +237,7 @@ def load_packed_folder(path: str, fmt: hfquant.PackedFormat, args: ModelArgs, fi
         raise ValueError(f"{path!r} is a {fmt.method.upper()} checkpoint, which loads as its own codes: drop "
                          "--quantize (and tensor parallel)")
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build_model(args)
     handles, found = hffolder.open_safetensors(path, files)
     check_tensors(checkpoint_shapes(model), hfquant.float_shapes({k: v[2] for k, v in found.items()}, fmt), path)
     filler = Filler(model, device, dtype, path)
@@ -341,12 +355,15 @@ def load_gguf(path: str, device: torch.device, dtype: torch.dtype, progress: boo
     full_args = ModelArgs.from_gguf(meta, {t.name for t in file_tensors}, longrope or None)
     arch = meta["general.architecture"]
     tensors, full_shapes = gguffile.named_tensors(file_tensors, arch)
+    if arch == "deepseek2":
+        gguffile.join_kv_b(tensors, full_shapes)
     full_args = with_rope_freqs(full_args, tensors.pop("rope_freqs.weight", None), path)
+    check_shardable(full_args, shard)
     for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
         tensors.pop(name, None)
         full_shapes.pop(name, None)
     with torch.device("meta"):
-        model = shard.model(full_args) if shard else Transformer(full_args)
+        model = shard.model(full_args) if shard else build_model(full_args)
     shapes = {k: shard.local_shape(k, v, full_args) for k, v in full_shapes.items()} if shard else full_shapes
     check_tensors(checkpoint_shapes(model), shapes, path)
     filler = Filler(model, device, dtype, path)

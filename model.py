@@ -1,5 +1,6 @@
-"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3, Phi-3, Gemma 2/3)
-in plain PyTorch: the math only, the reference a device's own paths are tested against.
+"""A Llama-family decoder-only transformer (Llama 2/3, Mistral, Mixtral, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE, Phi-3,
+Gemma 2/3) in plain PyTorch: the math only, the reference a device's own paths are tested against. DeepSeek's blocks
+(latent attention, its router) are models/deepseek.py's, on these parts; RoPE's frequency scalings models/rope.py's.
 
 Shape legend used in the comments:
   B batch, T tokens in this call, S key positions (cache length), C model width,
@@ -20,48 +21,7 @@ import torch.nn.functional as F
 from config import ModelArgs
 from formats.parts import Parts
 from kvcache import KVCache, LayerKVCache
-
-
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Per-pair rotation frequencies (R/2,) for the R = rope_dim rotated dims, with the checkpoint's rope scaling."""
-    d = args.rope_dim
-    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d  # (R/2,)
-    scaling = args.rope_scaling or {}
-    if scaling.get("rope_type") == "longrope":
-        # Phi-3: per-frequency divisors, the long ones for a context past the original one. The choice is made once
-        # for the model's context (llama.cpp's rule), so every cached key keeps its rotation; transformers picks per
-        # forward, by its last position, so it uses the short ones on shorter sequences of a long-context model.
-        long = args.max_seq_len > scaling["original_max_position_embeddings"]
-        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
-        return 1.0 / (factors * args.rope_theta ** exponents)
-    inv_freq = 1.0 / (args.rope_theta ** exponents)
-    if scaling.get("rope_type") == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif scaling.get("rope_type") == "llama3":
-        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
-        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-        inv_freq = torch.where(is_medium, smoothed, scaled)
-    if args.rope_freq_factors is not None:
-        inv_freq = inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float32)
-    return inv_freq
-
-
-def rope_attention_factor(args: ModelArgs) -> float:
-    """What longrope multiplies cos and sin by (transformers' attention_scaling), from the checkpoint's context
-    extension `factor` (config.py: max_position_embeddings / original); 1 for every other rope type."""
-    scaling = args.rope_scaling or {}
-    if scaling.get("rope_type") != "longrope":
-        return 1.0
-    original = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or args.max_seq_len / original
-    default = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return scaling.get("attention_factor") or default
+from models.rope import rope_attention_factor, rope_inv_freq  # the checkpoints' RoPE frequencies and scalings
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -76,10 +36,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def written_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                      softcap: float | None) -> torch.Tensor:
+                      softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(cap(q k^T * scale)) v written out in float32, for Gemma 2: SDPA takes a mask but no function of the
-    scores, and its soft-capping cap(s) = c tanh(s / c) goes between the product and the softmax. q (B, H, T, D),
-    k and v (B, K, S, D), mask (T, S) or (B, 1, T, S)."""
+    scores, and its soft-capping cap(s) = c tanh(s / c) goes between the product and the softmax; for gpt-oss, whose
+    per-head sink logits (H,) join each softmax as one more column, dropped after it. q (B, H, T, D), k and v
+    (B, K, S, D), mask (T, S) or (B, 1, T, S)."""
     B, H, T, D = q.shape
     K, S = k.shape[1], k.shape[2]
     qg = q.float().reshape(B, K, H // K * T, D)  # (B, K, G*T, D): a kv head's G query heads, as rows
@@ -87,7 +48,9 @@ def written_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))  # mask (.., 1, T, S) over the G heads
-    p = torch.softmax(scores, dim=-1).view(B, K, H // K * T, S)  # (B, K, G*T, S)
+    if sinks is not None:  # a column of each head's sink logit: (B, K, G, T, S + 1), its share of the softmax dropped
+        scores = torch.cat([scores, sinks.float().view(1, K, H // K, 1, 1).expand(B, -1, -1, T, 1)], dim=-1)
+    p = torch.softmax(scores, dim=-1)[..., :S].reshape(B, K, H // K * T, S)  # (B, K, G*T, S)
     return (p @ v.float()).view(B, H, T, D).to(q.dtype)  # (B, H, T, D)
 
 
@@ -136,6 +99,14 @@ class RMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
+class Sinks(nn.Module):
+    """gpt-oss's learned attention sinks: one logit per head (H,) that joins every softmax (written_attention)."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_heads))
+
+
 class Attention(nn.Module):
     attend: Callable = staticmethod(sdpa)  # or a device's own (step.device_paths)
 
@@ -147,7 +118,8 @@ class Attention(nn.Module):
         q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         parts = None if args.fused_checkpoint else {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
         self.qkv_proj = Linear(args.dim, q_rows + 2 * kv_rows, parts, bias=args.qkv_bias)
-        self.o_proj = Linear(args.n_heads * args.head_dim, args.dim)
+        self.o_proj = Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.sinks = Sinks(args.n_heads) if args.attn_sinks else None  # gpt-oss
         # Qwen3, Gemma 3: each head's q and k RMS-normed (over D) before RoPE
         norm = (args.head_dim, args.norm_eps, args.norm_plus_one)
         self.q_norm = RMSNorm(*norm) if args.qk_norm else None
@@ -166,8 +138,9 @@ class Attention(nn.Module):
         v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
         if cache is not None:  # the keys before RoPE too, for a cache that rotates them as read (sinks.SinkLayer)
             k, v = cache.update(input_pos, k, v, k_unrotated=qk[:, H:])  # (B, K, S, D): the mask hides unwritten slots
-        if self.scale is not None or self.softcap is not None:
-            y = written_attention(q, k, v, mask, self.scale or D ** -0.5, self.softcap)
+        if self.scale is not None or self.softcap is not None or self.sinks is not None:
+            sinks = None if self.sinks is None else self.sinks.weight
+            y = written_attention(q, k, v, mask, self.scale or D ** -0.5, self.softcap, sinks)
         else:
             y = self.attend(q, k, v, mask, steps)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
@@ -175,16 +148,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, width: int | None = None):
         super().__init__()
-        width = args.hidden_dim
+        width = width or args.hidden_dim
         parts = None if args.fused_checkpoint else {"gate_proj": width, "up_proj": width}
-        self.gate_up_proj = Linear(args.dim, 2 * width, parts)  # rows gate | up
-        self.down_proj = Linear(args.hidden_dim, args.dim)
-        self.gelu = args.mlp_act == "gelu_pytorch_tanh"  # Gemma 2's GeGLU
+        self.gate_up_proj = Linear(args.dim, 2 * width, parts, bias=args.moe_bias)  # rows gate | up
+        self.down_proj = Linear(width, args.dim, bias=args.moe_bias)
+        self.gelu, self.limit = args.mlp_act == "gelu_pytorch_tanh", args.swiglu_limit  # Gemma 2's GeGLU; gpt-oss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., F) each
+        if self.limit is not None:  # gpt-oss: both clamped, gate x sigmoid(1.702 gate) (up + 1)
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return self.down_proj(gate * torch.sigmoid(1.702 * gate) * (up + 1))
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)  # SwiGLU (GeGLU)
 
@@ -193,17 +169,19 @@ class Router(nn.Module):
     """Mixtral's gate: which k of the E experts each token goes to, and with what weights. Not a Linear, so
     quantization leaves it in model precision (a few E x C weights; a flipped choice would change the output)."""
 
-    def __init__(self, dim: int, n_experts: int, top_k: int):
+    def __init__(self, dim: int, n_experts: int, top_k: int, renormalize: bool = True, bias: bool = False):
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.renormalize = top_k, renormalize
         self.weight = nn.Parameter(torch.randn(n_experts, dim) / math.sqrt(dim))  # varied routing for random runs
+        self.bias = nn.Parameter(torch.zeros(n_experts)) if bias else None  # gpt-oss
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (M, C) -> float32 weights (M, k) summing to 1 and expert ids (M, k), as transformers computes them:
-        softmax over all E logits in float32, the top k, renormalized."""
-        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)  # (M, E)
+        """x (M, C) -> float32 weights (M, k) and expert ids (M, k), as transformers computes them: softmax over all
+        E logits in float32, the top k, renormalized to sum to 1 (Qwen3-MoE: unless norm_topk_prob is false; gpt-oss's
+        softmax over the top k logits is the same)."""
+        probs = torch.softmax(F.linear(x, self.weight, self.bias).float(), dim=-1)  # (M, E)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (M, k) each
-        return weights / weights.sum(dim=-1, keepdim=True), ids
+        return weights / weights.sum(dim=-1, keepdim=True) if self.renormalize else weights, ids
 
 
 class MoE(nn.Module):
@@ -213,8 +191,8 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate = Router(args.dim, args.n_experts, args.n_experts_per_token)
-        self.experts = nn.ModuleList(MLP(args) for _ in range(args.n_experts))
+        self.gate = Router(args.dim, args.n_experts, args.n_experts_per_token, args.moe_renormalize, args.moe_bias)
+        self.experts = nn.ModuleList(MLP(args, args.moe_hidden_dim) for _ in range(args.n_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # (M, C)
@@ -243,7 +221,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(*norm)  # before the MLP; Gemma 2: after attention (sandwich norms)
         if args.sandwich_norms:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = RMSNorm(*norm), RMSNorm(*norm)
-        self.mlp = MLP(args) if args.n_experts is None else MoE(args)
+        self.mlp = MLP(args) if args.n_experts is None or i in args.dense_layers else MoE(args)
         self.sandwich = args.sandwich_norms
         # Gemma: only some layers see a sliding window; they take the second of Transformer.inputs' two masks (and,
         # Gemma 3, of its two RoPE tables).
@@ -268,6 +246,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Parameter names follow Hugging Face's (without the `model.` prefix), except the fused qkv_proj and
     gate_up_proj, which take a checkpoint's q/k/v and gate/up tensors as their parts (formats/parts.py)."""
+    block_type: type[Block] = Block  # a family's own blocks: models/deepseek.py's DeepseekTransformer
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -276,7 +255,7 @@ class Transformer(nn.Module):
         weight = torch.empty(args.vocab_size, args.dim)  # (V, C)
         weight = weight if weight.is_meta else weight.normal_()  # nn.Embedding's own init, N(0, 1)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, _weight=weight)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(self.block_type(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
         self.lm_head = Linear(args.dim, args.vocab_size)
         if args.tie_embeddings:

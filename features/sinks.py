@@ -104,6 +104,8 @@ class SinkKVCache:
     min(window, the longest the sequence can get) slots, or over a PagedKVCache (rows of at most window slots)."""
 
     def __init__(self, inner: KVCache | PagedKVCache, shape: SinkWindow, model: Transformer):
+        if model.args.kv_lora_rank is not None:  # its keys are rotated inside the latent, which this cannot re-rotate
+            raise ValueError("attention sinks (a rolling cache) do not take latent attention (MLA, DeepSeek) yet")
         sinks = shape.sinks
         if isinstance(sinks, tuple):  # one count per row: (B, 1), broadcast against per-row positions
             sinks = torch.tensor(sinks, device=model.rope_cos.device)[:, None]

@@ -44,8 +44,16 @@ GGUF_BLOCK_NAMES = {
 # and Gemma's four norms (its ffn_norm is the MLP's pre-norm, our post_attention_layernorm its attention post-norm)
 GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"}
+# DeepSeek's latent attention, shared experts and V3's router bias (its whole name: exp_probs_b.bias); attn_k_b and
+# attn_v_b are kv_b_proj split per head by the converter, joined back by join_kv_b
+DEEPSEEK2_NAMES = {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                   "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                   "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_k_b": "self_attn.k_b_proj",
+                   "attn_v_b": "self_attn.v_b_proj", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                   "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 GGUF_ARCH_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                   "gemma2": GEMMA_NAMES, "gemma3": GEMMA_NAMES}
+                   "gemma2": GEMMA_NAMES, "gemma3": GEMMA_NAMES, "deepseek2": DEEPSEEK2_NAMES,
+                   "gpt-oss": {"attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm"}}
 GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # (E, N, K)
 # tensor types GGUFReader returns as numbers; every other type (BF16, the quantized blocks) as rows of bytes
 NUMERIC = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
@@ -182,23 +190,38 @@ def row_range(t, start: int, stop: int) -> ExpertSlice:
 
 def named_tensors(file_tensors: list[GGUFTensor], arch: str = "llama") -> tuple[dict, dict[str, tuple]]:
     """The file's tensors under our names ({name: GGUFTensor or ExpertSlice}) and their torch shapes: a stacked
-    `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C); a phi3 file's
+    `blk.3.ffn_up_exps.weight` (E, F, C) is E tensors `layers.3.mlp.experts.E.up_proj.weight` (F, C) (gpt-oss: its
+    `ffn_up_exps.bias` (E, F) E biases); a phi3 file's
     `blk.3.ffn_up.weight` is `layers.3.mlp.gate_up_proj.weight`."""
     tensors, shapes = {}, {}
     for t in file_tensors:
         shape = t.shape
         parts = t.name.split(".")
-        if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_EXPERT_NAMES and len(shape) == 3:
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_EXPERT_NAMES and len(shape) == (
+                2 if parts[3] == "bias" else 3):  # gpt-oss's expert biases are stacked too, (E, F)
             for e in range(shape[0]):
                 name = f"layers.{parts[1]}.mlp.experts.{e}.{GGUF_EXPERT_NAMES[parts[2]]}.{parts[3]}"
                 tensors[name], shapes[name] = ExpertSlice(t.data[e], t.tensor_type), shape[1:]
             continue
         if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_ARCH_NAMES.get(arch, {}):
             name = f"layers.{parts[1]}.{GGUF_ARCH_NAMES[arch][parts[2]]}.{parts[3]}"
+        elif parts[0] == "blk" and parts[2:] == ["exp_probs_b", "bias"]:
+            name = f"layers.{parts[1]}.mlp.gate.e_score_correction_bias"
         else:
             name = tensor_name(t.name)
         tensors[name], shapes[name] = t, shape
     return tensors, shapes
+
+
+def join_kv_b(tensors: dict, shapes: dict[str, tuple]) -> None:
+    """deepseek2: llama.cpp's converter stores kv_b_proj per head as attn_k_b (H, R, N), transposed for its absorbed
+    attention, and attn_v_b (H, Dv, R); joined back in place into kv_b_proj (H x (N + Dv), R), transformers' rows."""
+    for name in [n for n in tensors if n.endswith("self_attn.k_b_proj.weight")]:
+        v_name, joined = name.replace("k_b_proj", "v_b_proj"), name.replace("k_b_proj", "kv_b_proj")
+        k, v = dequantize(tensors.pop(name), shapes.pop(name)), dequantize(tensors.pop(v_name), shapes.pop(v_name))
+        w = torch.cat([k.transpose(1, 2), v], dim=1)  # (H, N + Dv, R)
+        w = w.reshape(-1, w.shape[-1]).numpy()  # (H x (N + Dv), R)
+        tensors[joined], shapes[joined] = GGUFTensor(joined, GGMLQuantizationType.F32, w.shape, w), w.shape
 
 
 def tensor_name(gguf_name: str) -> str:

@@ -65,7 +65,7 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def open_safetensors(path: str, files: list[str]) -> tuple[dict, dict[str, tuple]]:
+def open_safetensors(path: str, files: list[str], gpt_oss: bool = False) -> tuple[dict, dict[str, tuple]]:
     """({file: handle}, {our name: (file, key, shape, pick, safetensors dtype)}), nothing read but the headers."""
     from safetensors import safe_open
 
@@ -76,8 +76,9 @@ def open_safetensors(path: str, files: list[str]) -> tuple[dict, dict[str, tuple
             handles[file] = safe_open(full, framework="pt", device="cpu")
             for key in handles[file].keys():
                 part = handles[file].get_slice(key)
-                for name, shape, pick in tensor_names(key, part.get_shape()):
-                    found[name] = (file, key, shape, pick, part.get_dtype())
+                for name, shape, pick in tensor_names(key, part.get_shape(), gpt_oss):
+                    kind = "MXFP4" if pick and pick[0] == "mxfp4" else part.get_dtype()  # decoded as read
+                    found[name] = (file, key, shape, pick, kind)
         except Exception as e:  # safetensors raises its own error types for corrupt or truncated files
             raise ValueError(f"cannot read safetensors file {full!r}: {e}") from None
     return handles, found
@@ -93,7 +94,7 @@ def read_quantization(file: str) -> dict[str, str] | None:
     return {k: meta[k] for k in keys} if "quantization" in meta else None
 
 
-def tensor_names(key: str, shape: tuple[int, ...]) -> list[tuple[str, tuple, tuple | None]]:
+def tensor_names(key: str, shape: tuple[int, ...], gpt_oss: bool = False) -> list[tuple[str, tuple, tuple | None]]:
     """The tensors a safetensors key holds, under our checkpoint names: [(name, shape, pick)], pick None for the
     tensor itself or (expert, first row, rows) of a stacked (E, N, K) expert tensor. Mixtral's per-expert
     `block_sparse_moe.experts.E.w1` is `mlp.experts.E.gate_proj`; transformers 5's stacked `mlp.experts.gate_up_proj`
@@ -103,6 +104,8 @@ def tensor_names(key: str, shape: tuple[int, ...]) -> list[tuple[str, tuple, tup
     if m:
         return [(m[1] + "mlp." + m[2] + HF_EXPERT_NAMES[m[3]] + m[4], tuple(shape), None)]
     name = re.sub(r"^(layers\.\d+\.)block_sparse_moe\.gate\.", r"\1mlp.gate.", name)
+    if gpt_oss:
+        return gpt_oss_names(name, tuple(shape))
     m = re.fullmatch(r"(layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)", name)
     if m is None or len(shape) != 3:
         return [(name, tuple(shape), None)]
@@ -114,10 +117,63 @@ def tensor_names(key: str, shape: tuple[int, ...]) -> list[tuple[str, tuple, tup
             enumerate(("gate_proj", "up_proj"))]
 
 
+def gpt_oss_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple, tuple | None]]:
+    """gpt-oss's names: the router is mlp.router, the sinks a bare tensor, and the experts stacked transposed, gate_up
+    (E, C, 2F) with gate and up interleaved by column (gate 0::2, up 1::2), down (E, F, C), and their biases (E, 2F),
+    (E, C); a pick (expert, column offset or None, transposed) names one expert's part. Released as MXFP4, its
+    experts are `*_blocks` / `*_scales` (E, rows, ...) untransposed, gate and up interleaved by row: a pick ("mxfp4",
+    expert, row offset or None)."""
+    name = re.sub(r"\.mlp\.router\.", ".mlp.gate.", name)
+    name = name + ".weight" if name.endswith("self_attn.sinks") else name
+    m = re.fullmatch(r"(layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)_(blocks|scales)", name)
+    if m is not None:  # MXFP4 (formats/mxfp4.py): blocks (E, rows, G, 16), read with their scales
+        E, rows, cols = shape[0], shape[1], shape[2] * 32
+        if m[3] == "scales":
+            return []
+        if m[2] == "down_proj":
+            return [(f"{m[1]}{e}.down_proj.weight", (rows, cols), ("mxfp4", e, None)) for e in range(E)]
+        return [(f"{m[1]}{e}.{proj}.weight", (rows // 2, cols), ("mxfp4", e, i)) for e in range(E)
+                for i, proj in enumerate(("gate_proj", "up_proj"))]
+    m = re.fullmatch(r"(layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?", name)
+    if m is None:
+        return [(name, shape, None)]
+    kind, E, matrix = "bias" if m[3] else "weight", shape[0], not m[3]
+    if m[2] == "down_proj":
+        return [(f"{m[1]}{e}.down_proj.{kind}", shape[1:][::-1], (e, None, matrix)) for e in range(E)]
+    part = (shape[-1] // 2,) + shape[1:-1]  # (F, C) or (F,)
+    return [(f"{m[1]}{e}.{proj}.{kind}", part, (e, i, matrix)) for e in range(E)
+            for i, proj in enumerate(("gate_proj", "up_proj"))]
+
+
+def select(t: torch.Tensor, pick: tuple | None) -> torch.Tensor:
+    """The part of a stacked expert tensor t (E, ...) that a tensor_names pick names: rows (expert, first, rows), or
+    gpt-oss's (expert, column offset, transposed)."""
+    if pick is None:
+        return t
+    if len(pick) == 3 and not isinstance(pick[2], bool):
+        e, start, n = pick
+        return t[e, start:start + n]
+    e, offset, transposed = pick
+    x = t[e] if offset is None else t[e][..., offset::2]
+    return (x.T if transposed else x).contiguous()
+
+
 def read_tensor(handle, key: str, pick: tuple | None, name: str, shard, full_args: ModelArgs) -> torch.Tensor:
     """The tensor `name` from a safetensors file (with a shard: only this rank's slice); pick as tensor_names."""
     if pick is None:
         return shard.read(name, handle.get_slice(key), full_args) if shard else handle.get_tensor(key)
+    if pick[0] == "mxfp4":  # gpt-oss's released experts: one expert's blocks and scales, decoded
+        from formats import mxfp4
+
+        _, e, offset = pick
+        blocks = handle.get_slice(key)[e:e + 1][0]  # (rows, G, 16)
+        scales = handle.get_slice(key.removesuffix("_blocks") + "_scales")[e:e + 1][0]  # (rows, G)
+        t = mxfp4.dequantize(blocks, scales)  # (rows, G x 32)
+        t = t if offset is None else t[offset::2].contiguous()
+        return shard.take(name, t, full_args) if shard else t
+    if isinstance(pick[2], bool):  # gpt-oss: one expert's whole matrix, its columns picked and transposed
+        t = select(handle.get_slice(key)[pick[0]:pick[0] + 1], (0, *pick[1:]))
+        return shard.take(name, t, full_args) if shard else t
     e, start, n = pick
     t = handle.get_slice(key)[e:e + 1, start:start + n][0]  # (n, K): one expert's rows of the stacked tensor
     return shard.take(name, t, full_args) if shard else t

@@ -47,6 +47,8 @@ def packed_format(config: dict, source: str) -> PackedFormat | None:
     if q is None:
         return None
     method = q.get("quant_method") if isinstance(q, dict) else None
+    if method == "mxfp4":  # gpt-oss's experts: decoded to floats as they are read (hffolder.gpt_oss_names)
+        return None
     if method not in ("gptq", "awq"):
         raise ValueError(f"{source}: quantization_config.quant_method {method!r} is not supported; allowed: gptq, "
                          "awq (4-bit), or a folder export.py wrote")

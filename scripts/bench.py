@@ -28,6 +28,7 @@ import torch
 from cli import (DTYPES, THREADS, Range, check_output_file, check_ranges, default_model, pick_device, pick_dtype,
                  run_cli, set_threads)
 from decode import generate, generate_batch
+from kvcache import cache_dims
 from load import load_model
 from model import ModelArgs, Transformer
 from quantize import describe, quantize_model, weight_bytes
@@ -47,26 +48,66 @@ SHAPES = {
                             max_seq_len=32768, rope_theta=1000000.0),
     "mixtral-8x7b": ModelArgs(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
                               max_seq_len=32768, rope_theta=1000000.0, n_experts=8, n_experts_per_token=2),
+    "deepseek-v2-lite": ModelArgs(
+        vocab_size=102400, dim=2048, n_layers=27, n_heads=16, hidden_dim=10944, head_dim=192, rope_dim=64,
+        kv_lora_rank=512, v_head_dim=128, rope_interleaved=True, n_experts=64, n_experts_per_token=6,
+        moe_hidden_dim=1408, n_shared_experts=2, dense_layers=(0,), moe_renormalize=False, max_seq_len=163840,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    "deepseek-v3": ModelArgs(
+        vocab_size=129280, dim=7168, n_layers=61, n_heads=128, hidden_dim=18432, head_dim=192, rope_dim=64,
+        kv_lora_rank=512, q_lora_rank=1536, v_head_dim=128, rope_interleaved=True, n_experts=256,
+        n_experts_per_token=8, moe_hidden_dim=2048, n_shared_experts=1, dense_layers=(0, 1, 2), n_group=8,
+        topk_group=4, router_scoring="sigmoid", routed_scaling=2.5, max_seq_len=163840,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
 BYTES_PER_WEIGHT = {"fp32": 4, "bf16/fp16": 2, "int8": 1, "int4": 0.5}
 GiB, KiB = 1024**3, 1024
 
 
+def attention_params(args: ModelArgs) -> int:
+    """One layer's attention weights: q, o and k, v; MLA's q (or its low-rank pair and norm), the latent's down- and
+    up-projections and norm, o."""
+    C, H, D = args.dim, args.n_heads, args.head_dim
+    if args.kv_lora_rank is None:
+        return C * D * (2 * H + 2 * args.n_kv_heads)
+    R, P, Dv, Q = args.kv_lora_rank, args.rope_dim, args.v_head_dim, args.q_lora_rank
+    q = C * H * D if Q is None else C * Q + Q + Q * H * D
+    return q + C * (R + P) + R + R * H * (D - P + Dv) + H * Dv * C
+
+
 def param_count(args: ModelArgs, active: bool = False) -> int:
     """All parameters, or with active those a batch-1 decode step reads (a mixture of experts: k of its E experts
-    per layer, and the whole router)."""
-    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)  # q, o and k, v
-    mlp = 3 * args.dim * args.hidden_dim
+    per layer, its shared experts, and the whole router)."""
+    dense = 3 * args.dim * args.hidden_dim
+    mlp = [dense] * args.n_layers
     if args.n_experts is not None:
-        mlp = (args.n_experts_per_token if active else args.n_experts) * mlp + args.n_experts * args.dim
+        expert = 3 * args.dim * (args.moe_hidden_dim or args.hidden_dim)
+        router = args.n_experts * (args.dim + (args.router_scoring == "sigmoid"))  # V3: its correction bias
+        moe = (args.n_experts_per_token if active else args.n_experts) * expert + router + \
+            args.n_shared_experts * expert
+        mlp = [dense if i in args.dense_layers else moe for i in range(args.n_layers)]
     norms = (2 * args.n_layers + 1) * args.dim
     embeddings = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
-    return args.n_layers * (attn + mlp) + norms + embeddings
+    return args.n_layers * attention_params(args) + sum(mlp) + norms + embeddings
+
+
+def kv_table(names: list[str], context: int = 32768, bytes_per_value: float = 2) -> str:
+    """A markdown table of what each shape's KV cache holds per token and per `context`-token sequence."""
+    kinds = {"llama-2-7b": "MHA", "llama-3-8b": "GQA", "mistral-7b": "GQA", "deepseek-v2-lite": "MLA",
+             "deepseek-v3": "MLA"}
+    lines = [f"| shape | attention | KV KiB/token | GiB per {context // 1024}k-token sequence |", "|---|---|---:|---:|"]
+    for name in names:
+        token = kv_bytes_per_token(SHAPES[name], bytes_per_value)
+        lines.append(f"| {name} | {kinds.get(name, 'GQA')} | {token / KiB:g} | {token * context / GiB:.3g} |")
+    return "\n".join(lines)
 
 
 def kv_bytes_per_token(args: ModelArgs, bytes_per_value: float) -> float:
-    """2 (k and v) x layers x kv heads x head dim x bytes, for one sequence."""
-    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * bytes_per_value
+    """Layers x kv heads x (key + value dims) x bytes, for one sequence (MLA: its latent, kvcache.cache_dims)."""
+    heads, key_dim, value_dim = cache_dims(args)
+    return args.n_layers * heads * (key_dim + value_dim) * bytes_per_value
 
 
 def plan(args: ModelArgs, name: str, memory_gib: float, context: int, bandwidth_gbs: float, peak_tflops: float,
@@ -175,7 +216,7 @@ def run_once(model, step: Step, batch_size: int, prompt_len: int, new_tokens: in
     sync(device)
     assert n == new_tokens - 1, f"{n} decode steps vs {new_tokens - 1}"
     # the loop's static cache: k and v of every layer for prompt + new tokens, all read by each step
-    kv_per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim * model.embed_tokens.weight.element_size()
+    kv_per_token = kv_bytes_per_token(args, model.embed_tokens.weight.element_size())
     return {"ttft": ttft, "tpot": (time.perf_counter() - t1) / n, "kv_per_token": kv_per_token,
             "cache_bytes": kv_per_token * batch_size * (prompt_len + new_tokens)}
 
@@ -430,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--plan", action="store_true", help="print the capacity plan for --shape or --model's config")
+    p.add_argument("--kv-table", action="store_true", help="print KV bytes per token and per --context-token "
+                   "sequence for MHA, GQA and MLA published shapes (at --kv-bytes per value)")
     p.add_argument("--memory-gib", type=float, default=80.0, help="memory budget for --plan")
     p.add_argument("--context", type=int, default=4096, help="tokens per sequence for --plan")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="for --plan (default: measured here)")
@@ -497,6 +540,9 @@ def run(args: argparse.Namespace) -> None:
                          "--profile")
     if args.table:
         print_summary(args.table)
+        return
+    if args.kv_table:
+        print(kv_table(["llama-2-7b", "llama-3-8b", "deepseek-v2-lite", "deepseek-v3"], args.context, args.kv_bytes))
         return
     device = pick_device(args.device)
     set_threads(args.threads)

@@ -432,3 +432,18 @@ def test_compiled_full_decode_matches_eager(name):
         token = a.argmax(-1, keepdim=True)
         a, b = eager(model, token, torch.tensor([pos]), caches[0]), compiled(token, torch.tensor([pos]), caches[1])
         assert (a - b).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-dense-layers", "deepseek-v3", "gpt-oss"])
+def test_new_families_export_round_trip(tmp_path, name):
+    """export.py's int8 folder of Qwen3-MoE, DeepSeek (latent attention, its router bias) and gpt-oss (sinks, expert
+    biases) loads back to the model quantized at load, exactly."""
+    from scripts import export
+
+    make_hf(name).save_pretrained(tmp_path / "src")
+    assert export.main(["--model", str(tmp_path / "src"), "--mode", "int8", "--out", str(tmp_path / "out"),
+                        "--dtype", "float32"]) == 0
+    at_load, _ = load_model(str(tmp_path / "src"), "cpu", torch.float32, quantize="int8")
+    loaded, _ = load_model(str(tmp_path / "out"), "cpu", torch.float32)
+    assert torch.equal(loaded(tokens(12), torch.arange(12), all_logits=True),
+                       at_load(tokens(12), torch.arange(12), all_logits=True))

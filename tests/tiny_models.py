@@ -8,13 +8,16 @@ import torch
 
 from decode import generate
 from formats.gguffile import GGUF_BLOCK_NAMES, GGUF_TOP_NAMES
-from formats.hffolder import tensor_names
+from formats.hffolder import select, tensor_names
 from formats.checkpoint import load_state
 from model import ModelArgs, Transformer
+from models.families import build_model
 from params import SamplingParams
 
 SEQ_LEN = 80  # longer than the Mistral sliding window and than llama3's original context below
 
+MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=24,
+           v_head_dim=20, moe_intermediate_size=32)
 CONFIGS = {
     # GQA 4:2 with an explicit head_dim (H * D != hidden size)
     "llama-gqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
@@ -34,6 +37,37 @@ CONFIGS = {
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "qwen3": ("qwen3", dict(head_dim=24)),
     "qwen3-tied": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
+    # Qwen3-MoE: Qwen3's q/k norms with experts narrower than the dense width; top-k renormalized, then not, with
+    # dense layers both ways transformers picks them (decoder_sparse_step 2: layer 0; mlp_only_layers: layer 2)
+    "qwen3moe-8x2": ("qwen3moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=24,
+                                      norm_topk_prob=True)),
+    "qwen3moe-dense-layers": ("qwen3moe", dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
+                                               moe_intermediate_size=32, norm_topk_prob=False, decoder_sparse_step=2,
+                                               mlp_only_layers=[2])),
+    # DeepSeek: multi-head latent attention (a 32-wide latent, 16 rotary dims, nope 24, values 20; as many kv heads as
+    # heads, which transformers' MLA expects) with dense first layers and shared experts. V3: q_lora, sigmoid routing
+    # within the best 2 of 4 groups with a correction bias, renormalized and scaled, YaRN with its mscales; then
+    # without rope_interleave. V2-Lite's shape: no q_lora, softmax greedy; V2's group-limited greedy with q_lora.
+    "deepseek-v3": ("deepseek_v3", dict(num_hidden_layers=3, **MLA, q_lora_rank=48, n_routed_experts=8,
+                                        num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                        n_shared_experts=1, routed_scaling_factor=2.5, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
+    "deepseek-v3-half-rope": ("deepseek_v3", dict(**MLA, q_lora_rank=48, n_routed_experts=4, num_experts_per_tok=3,
+                                                  n_group=1, topk_group=1, first_k_dense_replace=0,
+                                                  n_shared_experts=2, rope_interleave=False)),
+    "deepseek-v2-lite": ("deepseek_v2", dict(num_hidden_layers=3, **MLA, q_lora_rank=None, n_routed_experts=8,
+                                             num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=2)),
+    "deepseek-v2-group": ("deepseek_v2", dict(**MLA, q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=3,
+                                              topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                              first_k_dense_replace=0, n_shared_experts=1,
+                                              routed_scaling_factor=1.5)),
+    # gpt-oss: sinks, biases everywhere, the clamped SwiGLU (a low limit, so the clamps bite), every other layer
+    # windowed (a window of 16), YaRN untruncated; GQA 4:2
+    "gpt-oss": ("gpt_oss", dict(num_hidden_layers=3, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                                intermediate_size=48, sliding_window=16, swiglu_limit=1.5, rope_parameters={
+        "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 32, "rope_theta": 10000.0})),
     # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; longrope past the original context (the long factors
     # and attention factor sqrt(1 + ln 16 / ln 16)) and within it (short factors), with a window; Phi-4-mini's
     # partial rotary (12 of 16 dims, GQA) with tied embeddings
@@ -67,7 +101,8 @@ CONFIGS = {
                                              tie_word_embeddings=False, final_logit_softcapping=3.0,
                                              layer_types=["sliding_attention", "full_attention"])),
 }
-RANDOM_VECTORS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")  # families whose biases and norms are drawn at random
+# families whose biases and norms are drawn at random
+RANDOM_VECTORS = ("qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "deepseek_v2", "deepseek_v3", "gpt_oss")
 
 
 def make_hf(name: str, seed: int = 0, **overrides):
@@ -76,6 +111,7 @@ def make_hf(name: str, seed: int = 0, **overrides):
 
     family, extra = CONFIGS[name]
     prefix = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+              "qwen3moe": "Qwen3Moe", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss",
               "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3Text"}[family]
     config_cls = getattr(transformers, prefix + "Config")  # Gemma3Config is the multimodal model's
     model_cls = getattr(transformers, prefix.removesuffix("Text") + "ForCausalLM")
@@ -90,9 +126,12 @@ def make_hf(name: str, seed: int = 0, **overrides):
     if family in RANDOM_VECTORS:  # transformers initializes them to 0 and 1, which would hide a swapped or lost one
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if p.dim() == 1:
+                if p.dim() == 1 or name.endswith("_bias"):  # gpt-oss's stacked expert biases (E, F) too
                     mean = 0.0 if name.endswith(".bias") or family.startswith("gemma") else 1.0  # Gemma: w - 1
                     p.normal_(mean, 0.1)  # a bias, or a norm's weight
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias (a buffer): choices move
+                    b.normal_(0.0, 0.1)
     return model
 
 
@@ -102,13 +141,13 @@ def hf_to_ours(hf) -> Transformer:
     cfg = hf.config.to_dict()
     cfg["architectures"] = [type(hf).__name__]
     with torch.device("meta"):
-        model = Transformer(ModelArgs.from_hf_config(cfg))
+        model = build_model(ModelArgs.from_hf_config(cfg))
     state = {}
     for key, t in hf.state_dict().items():
-        for name, _, pick in tensor_names(key, tuple(t.shape)):
+        for name, _, pick in tensor_names(key, tuple(t.shape), model.args.attn_sinks):
             if name == "lm_head.weight" and model.args.tie_embeddings:
                 continue  # the embedding, as save_pretrained leaves it out of a checkpoint
-            state[name] = (t if pick is None else t[pick[0], pick[1]:pick[1] + pick[2]]).clone()  # not hf's memory
+            state[name] = select(t, pick).clone()  # not hf's memory
     return load_state(model, state)
 
 

@@ -1,0 +1,165 @@
+"""gpt-oss beyond the logits tests every tiny config gets in test_model.py (one forward, token by token, chunked,
+batched, against transformers): its checkpoint layout, the sinks against a direct computation, quantized experts
+with their biases, the paged engine, speculative decoding and what is refused."""
+import pytest
+import torch
+
+from config import ModelArgs
+from helpers import ToyTokenizer
+from load import load_model
+from model import attention_mask, written_attention
+from serving.engine import Engine, EngineConfig
+from tiny_models import SEQ_LEN, greedy_ids, greedy_uncached, hf_to_ours, make_hf
+
+PROMPT = [5, 17, 42, 99, 3, 64, 8]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return make_hf("gpt-oss")
+
+
+def tokens(seq: int = SEQ_LEN) -> torch.Tensor:
+    return torch.randint(0, 160, (1, seq), generator=torch.Generator().manual_seed(1))
+
+
+def test_folder_matches_transformers(hf, tmp_path):
+    """The stacked, transposed, column-interleaved experts and their biases, the router and the sinks load to
+    transformers' logits and greedy tokens."""
+    hf.save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    assert (model(tokens(), torch.arange(SEQ_LEN), all_logits=True) - hf(tokens()).logits).abs().max() <= 1e-4
+    out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert greedy_ids(model, PROMPT, 12) == out[0, len(PROMPT):].tolist() == greedy_uncached(model, PROMPT, 12)
+    assert model.args.sliding_layers == (0, 2) and model.args.swiglu_limit == 1.5
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_against_a_direct_computation(window):
+    """Each head's sink logit joins the softmax as a column and its share is dropped: the rows sum to less than 1;
+    a sink of -inf is plain attention."""
+    from tiny_models import reference_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 6, 9, 16, generator=g), torch.randn(2, 3, 20, 16, generator=g), \
+        torch.randn(2, 3, 20, 16, generator=g)  # (B, H, T, D), (B, K, S, D) x 2
+    sinks = torch.randn(6, generator=g)
+    mask = attention_mask(torch.arange(11, 20), torch.arange(20), window)
+    kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)  # (B, H, S, D)
+    scores = (q @ kr.transpose(-2, -1) / 4).masked_fill(~mask, float("-inf"))  # (B, H, T, S)
+    with_sink = torch.cat([scores, sinks.view(1, 6, 1, 1).expand(2, 6, 9, 1)], dim=-1).softmax(-1)[..., :20]
+    got = written_attention(q, k, v, mask, 16 ** -0.5, None, sinks)
+    assert (got - with_sink @ vr).abs().max() <= 1e-5
+    plain = written_attention(q, k, v, mask, 16 ** -0.5, None, torch.full((6,), float("-inf")))
+    assert (plain - reference_attention(q, k, v, mask)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4:32"])
+def test_quantized_experts_keep_their_biases(hf, tmp_path, mode, monkeypatch):
+    """Every linear quantized at load, its bias kept in float; with the dequantize path the logits equal a float
+    model's holding the dequantized weights."""
+    import quantize
+
+    monkeypatch.setattr(quantize, "int8_kernel", lambda device: None)
+    monkeypatch.setattr(quantize, "int4_kernel", lambda device: None)
+    hf.save_pretrained(tmp_path)
+    floats, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    q, _ = load_model(str(tmp_path), "cpu", torch.float32, quantize=mode)
+    expert = q.layers[1].mlp.experts[2].gate_up_proj
+    assert torch.equal(expert.bias, floats.layers[1].mlp.experts[2].gate_up_proj.bias)
+    for name, module in floats.named_modules():
+        if name.startswith("layers.") and isinstance(module, torch.nn.Linear):
+            module.weight.copy_(q.get_submodule(name).dequantize())
+    want = floats(tokens(24), torch.arange(24), all_logits=True)
+    assert (q(tokens(24), torch.arange(24), all_logits=True) - want).abs().max() <= 1e-5
+
+
+def test_paged_engine_and_speculative_match_greedy(hf):
+    import speculative
+    from speculative import PromptLookupDraft
+
+    ours = hf_to_ours(hf)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 160, (n,), generator=g).tolist() for n in (3, 17, 9)]
+    expected = [greedy_ids(ours, p, 24) for p in prompts]
+    engine = Engine(ours, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=100, max_running=4, token_budget=24))
+    assert [c.tokens for c in engine.generate(prompts, max_new_tokens=24)] == expected
+    got = [t.id for t in speculative.generate(ours, PromptLookupDraft(), prompts[1], max_new_tokens=24, k=4)]
+    assert got == expected[1]
+
+
+def test_config_and_refusals(tmp_path):
+    from features import tp
+
+    cfg = {"architectures": ["GptOssForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "attention_bias": True, "head_dim": 4}
+    args = ModelArgs.from_hf_config(cfg)
+    assert (args.sliding_layers, args.swiglu_limit, args.attn_sinks, args.o_bias, args.n_experts) == (
+        (0,), 7.0, True, True, 4)
+    with pytest.raises(ValueError, match="unsupported config.json swiglu_alpha 1.5; supported: 1.702"):
+        ModelArgs.from_hf_config({**cfg, "swiglu_alpha": 1.5})
+    make_hf("gpt-oss").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="^tensor parallel does not split gpt-oss's experts"):
+        load_model(str(tmp_path), "cpu", torch.float32, shard=tp.Shard(0, 2))
+
+
+def test_gguf_metadata():
+    """A gpt-oss file as llama.cpp's converter writes it and llama.cpp reads it: every other layer windowed from the
+    first, the SwiGLU clamped at 7, biases and sinks; YaRN as transformers' gpt-oss (untruncated)."""
+    meta = {"general.architecture": "gpt-oss", "gpt-oss.block_count": 3, "gpt-oss.embedding_length": 64,
+            "gpt-oss.feed_forward_length": 48, "gpt-oss.attention.head_count": 4, "gpt-oss.attention.head_count_kv": 2,
+            "gpt-oss.vocab_size": 160, "gpt-oss.expert_count": 8, "gpt-oss.expert_used_count": 2,
+            "gpt-oss.attention.key_length": 16, "gpt-oss.attention.sliding_window": 16,
+            "gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 8.0,
+            "gpt-oss.rope.scaling.original_context_length": 32}
+    args = ModelArgs.from_gguf(meta, {"output.weight"})
+    assert (args.sliding_layers, args.sliding_window, args.swiglu_limit, args.attn_sinks, args.qkv_bias,
+            args.o_bias, args.moe_bias) == ((0, 2), 16, 7.0, True, True, True, True)
+    assert args.rope_scaling["truncate"] is False and args.rope_scaling["factor"] == 8.0
+
+
+def test_mxfp4_decodes_as_transformers():
+    """An MXFP4 matrix (codes two a byte, a power-of-two scale per 32) decodes to transformers' dequantization
+    bitwise (its convert_moe_packed_tensors, which also transposes to its float layout)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from formats import mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (3, 10, 4), generator=g, dtype=torch.uint8)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # (E, G x 32, rows)
+    assert torch.equal(mxfp4.dequantize(blocks, scales).transpose(1, 2), want)
+
+
+def test_mxfp4_folder_loads_as_its_dequantized_floats(tmp_path):
+    """A folder whose experts are MXFP4 blocks and scales (as gpt-oss is released, quant_method mxfp4) loads to the
+    model of a float folder holding transformers' dequantization of them: the same logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = make_hf("gpt-oss", intermediate_size=64)  # MXFP4 blocks of 32 along F and C
+    hf.save_pretrained(tmp_path / "float")
+    state = load_file(tmp_path / "float" / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    packed = dict(state)
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, cols, rows = state[key].shape  # stored (E, in, out); the blocks are (E, out, in / 32, 16)
+        blocks = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(120, 126, (E, rows, cols // 32), generator=g, dtype=torch.uint8)
+        del packed[key]
+        packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
+        state[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
+    save_file(state, tmp_path / "float" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "mxfp4").mkdir()
+    save_file(packed, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    floats, _ = load_model(str(tmp_path / "float"), "cpu", torch.float32)
+    decoded, _ = load_model(str(tmp_path / "mxfp4"), "cpu", torch.float32)
+    assert torch.equal(decoded(tokens(24), torch.arange(24), all_logits=True),
+                       floats(tokens(24), torch.arange(24), all_logits=True))

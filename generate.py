@@ -60,6 +60,26 @@ SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "repetition_p
 MAX_LOGPROBS = 20  # --logprobs at most, as OpenAI's top_logprobs: each alternative is decoded and printed per token
 
 
+def add_constraint_flags(p: argparse.ArgumentParser) -> None:
+    """What shapes a reply: structured output, tool calls and the reasoning block."""
+    g = p.add_argument_group("structured output (one of)")
+    g.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON", help="JSON valid under this schema")
+    g.add_argument("--json-object", action="store_true", help="one JSON object")
+    g.add_argument("--regex", default=None, metavar="PATTERN", help="the whole text matches PATTERN (Rust syntax)")
+    g.add_argument("--grammar", default=None, metavar="FILE", help="Lark (`start`) or GBNF (`root`) grammar file")
+    g = p.add_argument_group("tool calling (README, Tool calling)")
+    g.add_argument("--tools", default=None, metavar="FILE", help="with --chat: a JSON list of OpenAI tools")
+    g.add_argument("--tool-choice", default=None, metavar="CHOICE", help="auto (default), none, required or a name")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="the model's call syntax (default: from the chat template, else hermes)")
+    g = p.add_argument_group("reasoning (Qwen3, DeepSeek-R1: a <think> block before the answer)")
+    g.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *PARSERS],
+                   help="with --chat: how the reasoning block is found (default auto: when the chat template writes "
+                   "<think>...</think>; think: always; none: the block is part of the answer)")
+    g.add_argument("--hide-thinking", action="store_true",
+                   help="with --chat: do not print the reasoning (default: on stderr, apart from the answer)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Generate text with a Llama-family model. The text goes to stdout as "
                                 "it is produced; a summary line to stderr (README, Use).")
@@ -96,22 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=None, metavar="N", help=f"N in [0, {MAX_LOGPROBS}] alternatives")
     g.add_argument("--json", action="store_true", help="one JSON object per completion instead of the text")
     g.add_argument("--quiet", action="store_true", help="no progress bars and no summary line")
-    g = p.add_argument_group("structured output (one of)")
-    g.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON", help="JSON valid under this schema")
-    g.add_argument("--json-object", action="store_true", help="one JSON object")
-    g.add_argument("--regex", default=None, metavar="PATTERN", help="the whole text matches PATTERN (Rust syntax)")
-    g.add_argument("--grammar", default=None, metavar="FILE", help="Lark (`start`) or GBNF (`root`) grammar file")
-    g = p.add_argument_group("tool calling (README, Tool calling)")
-    g.add_argument("--tools", default=None, metavar="FILE", help="with --chat: a JSON list of OpenAI tools")
-    g.add_argument("--tool-choice", default=None, metavar="CHOICE", help="auto (default), none, required or a name")
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
-                   help="the model's call syntax (default: from the chat template, else hermes)")
-    g = p.add_argument_group("reasoning (Qwen3, DeepSeek-R1: a <think> block before the answer)")
-    g.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *PARSERS],
-                   help="with --chat: how the reasoning block is found (default auto: when the chat template writes "
-                   "<think>...</think>; think: always; none: the block is part of the answer)")
-    g.add_argument("--hide-thinking", action="store_true",
-                   help="with --chat: do not print the reasoning (default: on stderr, apart from the answer)")
+    add_constraint_flags(p)
     g = p.add_argument_group("model and runtime")
     add_model_flags(g)
     add_device_flags(g)

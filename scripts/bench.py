@@ -365,8 +365,8 @@ def print_table(rows: list[dict], header: str, bandwidth: float, peak_tflops: fl
             "weights MB", "KV B/token", "KV MB", "GB/s", "% roofline"]
     print(" | ".join(cols))
     for r in rows:
-        print(" | ".join([f"{r['batch_size']}", f"{r['prompt_len']}", f"{r['ttft_ms']:.1f}", f"{r['prefill_tok_s']:.0f}",
-                          f"{r['prefill_tflop_s']:.3g}", f"{r['prefill_peak_pct']:.0f}%",
+        print(" | ".join([f"{r['batch_size']}", f"{r['prompt_len']}", f"{r['ttft_ms']:.1f}",
+                          f"{r['prefill_tok_s']:.0f}", f"{r['prefill_tflop_s']:.3g}", f"{r['prefill_peak_pct']:.0f}%",
                           f"{r['tpot_ms']:.2f}", f"{r['decode_tok_s']:.1f}", f"{r['weight_bytes'] / 1e6:.1f}",
                           f"{r['kv_bytes_per_token']}", f"{r['kv_bytes_total'] / 1e6:.1f}",
                           f"{r['achieved_gb_s']:.1f}", f"{r['roofline_pct']:.0f}%"]))
@@ -528,7 +528,8 @@ def add_mask_costs(rows: list[dict], args: argparse.Namespace, model, path: str 
         r["mask_ms"], r["mask_per_row_ms"] = cost["batched"] * 1e3, cost["per_row"] * 1e3
 
 
-def run(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace) -> None:
+    """The flags' ranges and combinations, before anything loads."""
     check_ranges(args, RANGES)  # --new-tokens >= 2: one prefill token, then decode steps
     check_output_file(args.json, "--json")
     if args.llama_bench and (args.shape or args.plan):
@@ -538,6 +539,10 @@ def run(args: argparse.Namespace) -> None:
                         or args.profile):
         raise ValueError("--engine takes one --prompt-len, and not --llama-bench, --json-schema, --deterministic or "
                          "--profile")
+
+
+def run(args: argparse.Namespace) -> None:
+    check_args(args)
     if args.table:
         print_summary(args.table)
         return

@@ -25,7 +25,7 @@ from formats.checkpoint import checkpoint_state, load_state
 from load import load_model
 from model import Transformer
 from models.families import build_model
-from tiny_models import SEQ_LEN, make_hf
+from tiny_models import SEQ_LEN, make_hf, write_mxfp4_pair
 
 
 def converter() -> str | None:
@@ -260,30 +260,10 @@ def test_gpt_oss_mxfp4_folder_and_file(tmp_path):
     """gpt-oss as released: experts in MXFP4 (*_blocks / *_scales, quant_method mxfp4). The folder, and the file the
     converter makes of it (its experts of GGUF's MXFP4 type), load to the model of a float folder holding
     transformers' dequantization of those experts: the same logits, exactly."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
     tok = smollm2_bpe()
     hf = make_hf("gpt-oss", intermediate_size=64, swiglu_limit=7.0, vocab_size=len(tok))  # blocks of 32 along F, C
-    hf.save_pretrained(tmp_path / "float")
-    state = load_file(tmp_path / "float" / "model.safetensors")
-    packed, g = dict(state), torch.Generator().manual_seed(0)
-    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        E, cols, rows = state[key].shape  # stored (E, in, out); the blocks are (E, out, in / 32, 16)
-        blocks = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
-        scales = torch.randint(120, 126, (E, rows, cols // 32), generator=g, dtype=torch.uint8)
-        del packed[key]
-        packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
-        state[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
-    save_file(state, tmp_path / "float" / "model.safetensors", metadata={"format": "pt"})
-    (tmp_path / "mxfp4").mkdir()
-    save_file(packed, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    write_mxfp4_pair(hf, tmp_path, {"quant_method": "mxfp4"})
     tok.save_pretrained(tmp_path / "mxfp4")
-    config = json.loads((tmp_path / "float" / "config.json").read_text())
-    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps({**config, "quantization_config": {
-        "quant_method": "mxfp4"}}))
     path = convert(tmp_path / "mxfp4", "f32")
     kinds = {t.name.split(".", 2)[2]: t.tensor_type.name for t in read_gguf(path, string_arrays=False)[1]
              if t.name.startswith("blk.0.")}

@@ -9,7 +9,7 @@ from helpers import ToyTokenizer
 from load import load_model
 from model import attention_mask, written_attention
 from serving.engine import Engine, EngineConfig
-from tiny_models import SEQ_LEN, greedy_ids, greedy_uncached, hf_to_ours, make_hf
+from tiny_models import SEQ_LEN, greedy_ids, greedy_uncached, hf_to_ours, make_hf, write_mxfp4_pair
 
 PROMPT = [5, 17, 42, 99, 3, 64, 8]
 
@@ -136,29 +136,8 @@ def test_mxfp4_decodes_as_transformers():
 def test_mxfp4_folder_loads_as_its_dequantized_floats(tmp_path):
     """A folder whose experts are MXFP4 blocks and scales (as gpt-oss is released, quant_method mxfp4) loads to the
     model of a float folder holding transformers' dequantization of them: the same logits."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
     hf = make_hf("gpt-oss", intermediate_size=64)  # MXFP4 blocks of 32 along F and C
-    hf.save_pretrained(tmp_path / "float")
-    state = load_file(tmp_path / "float" / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    packed = dict(state)
-    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        E, cols, rows = state[key].shape  # stored (E, in, out); the blocks are (E, out, in / 32, 16)
-        blocks = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
-        scales = torch.randint(120, 126, (E, rows, cols // 32), generator=g, dtype=torch.uint8)
-        del packed[key]
-        packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
-        state[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
-    save_file(state, tmp_path / "float" / "model.safetensors", metadata={"format": "pt"})
-    (tmp_path / "mxfp4").mkdir()
-    save_file(packed, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "float" / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    write_mxfp4_pair(hf, tmp_path, {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]})
     floats, _ = load_model(str(tmp_path / "float"), "cpu", torch.float32)
     decoded, _ = load_model(str(tmp_path / "mxfp4"), "cpu", torch.float32)
     assert torch.equal(decoded(tokens(24), torch.arange(24), all_logits=True),

@@ -262,3 +262,29 @@ def write_llama_gguf(path, hf, linear_type: str, types: dict[str, str] | None = 
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+def write_mxfp4_pair(hf, root, quantization: dict) -> None:
+    """gpt-oss as released, beside its floats: root/mxfp4 holds the experts as random MXFP4 blocks and scales
+    (*_blocks, *_scales; config.json's quantization_config), root/float the same model with transformers'
+    dequantization of them."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf.save_pretrained(root / "float")
+    state = load_file(root / "float" / "model.safetensors")
+    packed, g = dict(state), torch.Generator().manual_seed(0)
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, cols, rows = state[key].shape  # stored (E, in, out); the blocks are (E, out, in / 32, 16)
+        blocks = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(120, 126, (E, rows, cols // 32), generator=g, dtype=torch.uint8)
+        del packed[key]
+        packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
+        state[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
+    save_file(state, root / "float" / "model.safetensors", metadata={"format": "pt"})
+    (root / "mxfp4").mkdir()
+    save_file(packed, root / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((root / "float" / "config.json").read_text())
+    (root / "mxfp4" / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))

@@ -44,7 +44,7 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
                                str(port), "--quiet", *shlex.split(args.ours)])]
     if args.vllm:
         out.append(Server("vLLM-CPU", [args.vllm, "serve", args.vllm_model or args.model, "--port", str(port),
-                                       "--dtype", args.vllm_dtype, "--disable-log-requests"],
+                                       "--dtype", args.vllm_dtype],
                           {"VLLM_TARGET_DEVICE": "cpu"}))
     else:
         print("vLLM-CPU: skipped (no --vllm)", file=sys.stderr)

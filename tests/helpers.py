@@ -1,6 +1,6 @@
 """Plain helpers shared by the test files (fixtures are in conftest.py): the repository root, running a script
 in a fresh Python process, its peak memory, a toy tokenizer whose text shows every token and a toy byte-level BPE
-one for grammars."""
+one for grammars, an API answer's stream of pieces."""
 import os
 import subprocess
 import sys
@@ -77,3 +77,14 @@ def toy_bpe(specials: tuple[str, ...] = (), **meta):
                                          "tokenizer.ggml.merges": merges, "tokenizer.ggml.eos_token_id": 0,
                                          "tokenizer.ggml.token_type": types,
                                          **{f"tokenizer.ggml.{k}": v for k, v in meta.items()}})
+
+
+def stream_pieces(answer, pieces: list[str]) -> list[str]:
+    """The stream lines of an API answer (opening, then one Event a piece, the last ending on EOS) for one choice."""
+    from serving.contract import Event
+
+    lines = answer.opening()
+    for k, piece in enumerate(pieces):
+        last = k == len(pieces) - 1
+        lines += answer.add(0, Event(0, piece, [k], last, "eos" if last else None, 9, k + 1, 0))
+    return lines

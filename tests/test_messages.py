@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from helpers import stream_pieces
 from serving.contract import Event
 from serving.messages import MessagesAnswer, chat_body, error_body, parse_messages
 from serving.protocol import BadRequest
@@ -82,10 +83,7 @@ def test_a_tool_call_streams_as_a_tool_use_block(smollm2_tokenizer):
     answer = MessagesAnswer(call, tok, "m")
     pieces = ["Let me check.", "<tool_call>\n", '{"name": "get_weather", "arguments": {"ci', 'ty": "Paris"}}',
               "\n</tool_call>"]
-    lines = answer.opening()
-    for k, piece in enumerate(pieces):
-        last = k == len(pieces) - 1
-        lines += answer.add(0, Event(0, piece, [k], last, "eos" if last else None, 9, k + 1, 0))
+    lines = stream_pieces(answer, pieces)
     events = stream_events(lines)
     names = [name for name, _ in events]
     assert names[:4] == ["message_start", "ping", "content_block_start", "content_block_delta"]
@@ -205,10 +203,7 @@ def test_reasoning_becomes_a_thinking_block(smollm2_tokenizer):
     call = parse_messages(json.dumps(body).encode(), tok, **LIMITS, reasoning=Tags())
     answer = MessagesAnswer(call, tok, "m")
     pieces = ["<think>", "The user ", "greets.</thi", "nk>\n\nHello!"]
-    lines = answer.opening()
-    for k, piece in enumerate(pieces):
-        last = k == len(pieces) - 1
-        lines += answer.add(0, Event(0, piece, [k], last, "eos" if last else None, 9, k + 1, 0))
+    lines = stream_pieces(answer, pieces)
     events = stream_events(lines)
     starts = [d["content_block"] for n, d in events if n == "content_block_start"]
     assert starts == [{"type": "thinking", "thinking": "", "signature": ""}, {"type": "text", "text": ""}]

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from helpers import stream_pieces
 from serving.contract import Event
 from serving.protocol import BadRequest
 from serving.responses import ResponsesAnswer, Store, chat_body, parse_responses
@@ -83,10 +84,7 @@ def test_a_function_call_streams_as_an_item_and_is_stored(smollm2_tokenizer):
     answer = ResponsesAnswer(call, tok, "m", store)
     pieces = ["On it.", "<tool_call>\n", '{"name": "get_weather", "arguments": {"ci', 'ty": "Paris"}}',
               "\n</tool_call>"]
-    lines = answer.opening()
-    for k, piece in enumerate(pieces):
-        last = k == len(pieces) - 1
-        lines += answer.add(0, Event(0, piece, [k], last, "eos" if last else None, 9, k + 1, 0))
+    lines = stream_pieces(answer, pieces)
     events = typed_events(lines)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     kinds = [e["type"] for e in events]
@@ -184,10 +182,7 @@ def test_reasoning_becomes_a_reasoning_item(smollm2_tokenizer):
     call = parse_responses(json.dumps(body).encode(), tok, store, **LIMITS, reasoning=Tags())
     answer = ResponsesAnswer(call, tok, "m", store)
     pieces = ["<think>Greet", " back.</think>", "Hello!"]
-    lines = answer.opening()
-    for k, piece in enumerate(pieces):
-        last = k == len(pieces) - 1
-        lines += answer.add(0, Event(0, piece, [k], last, "eos" if last else None, 9, k + 1, 0))
+    lines = stream_pieces(answer, pieces)
     events = typed_events(lines)
     reasoning = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
     assert reasoning == "Greet back."

@@ -106,6 +106,14 @@ def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> None:
     raise ValueError(f"not serving after {timeout_s:g} s")
 
 
+def load_args(args: argparse.Namespace, url: str, streams: int) -> argparse.Namespace:
+    """loadtest's flags for one point: `streams` closed-loop streams, --requests requests or --rounds per stream."""
+    requests = args.rounds * streams if args.rounds else args.requests
+    return loadtest.parse_args(["--url", url, "--concurrency", str(streams), "--requests", str(requests),
+                                "--max-tokens", str(args.max_tokens), "--min-words", str(args.min_words),
+                                "--max-words", str(args.max_words), "--ignore-eos", "--seed", str(args.seed)])
+
+
 def measure(server: Server, args: argparse.Namespace, port: int) -> None:
     """Start the server, time its start-up, run every load point against it, stop it; its log in --logs."""
     url = f"http://127.0.0.1:{port}"
@@ -117,11 +125,8 @@ def measure(server: Server, args: argparse.Namespace, port: int) -> None:
         try:
             wait_ready(url, process, args.startup_timeout_s)
             server.startup_s = time.perf_counter() - t0
-            load = loadtest.parse_args(["--url", url, "--concurrency", *map(str, args.concurrency), "--requests",
-                                        str(args.requests), "--max-tokens", str(args.max_tokens), "--min-words",
-                                        str(args.min_words), "--max-words", str(args.max_words), "--ignore-eos",
-                                        "--seed", str(args.seed)])
-            server.points = asyncio.run(loadtest.measure(load))[1]
+            for streams in args.concurrency:
+                server.points += asyncio.run(loadtest.measure(load_args(args, url, streams)))[1]
         except ValueError as e:
             server.error = f"{e} (log: {log_path})"
         finally:
@@ -149,7 +154,7 @@ def table(results: list[Server]) -> str:
     return "\n".join(rows)
 
 
-RANGES = {"concurrency": Range(1, 10_000), "requests": Range(1, 10**6), "max_tokens": Range(1, 2**20),
+RANGES = {"concurrency": Range(1, 10_000), "requests": Range(1, 10**6), "rounds": Range(1, 10**6), "max_tokens": Range(1, 2**20),
           "min_words": Range(1, 10**6), "max_words": Range(1, 10**6), "seed": Range(-2**63, 2**64 - 1),
           "port": Range(1, 65535), "startup_timeout_s": Range(0, 86400, above=True), "llama_ctx": Range(1, 2**24)}
 
@@ -168,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-ctx", type=int, default=32768, help="llama-server's -c, shared by its -np slots")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], metavar="N", help="streams per point")
     p.add_argument("--requests", type=int, default=64, help="requests per load point")
+    p.add_argument("--rounds", type=int, default=None, metavar="R",
+                   help="instead of --requests: R requests per stream at each point (R x concurrency)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (EOS ignored)")
     p.add_argument("--min-words", type=int, default=90, help="shortest prompt, in words (~128 tokens: 96)")
     p.add_argument("--max-words", type=int, default=100, help="longest prompt, in words")

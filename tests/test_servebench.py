@@ -34,6 +34,14 @@ def test_the_table_has_a_row_per_point_and_says_why_a_server_failed():
     assert rows[3].startswith("| vLLM-CPU | failed: it exited with code 1 before serving |")
 
 
+def test_rounds_scale_the_requests_with_the_streams():
+    fixed = servebench.load_args(args(requests=5), "http://127.0.0.1:1", 8)
+    assert fixed.concurrency == [8] and fixed.requests == 5 and fixed.ignore_eos
+    assert servebench.load_args(args(rounds=3), "http://127.0.0.1:1", 8).requests == 24
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        servebench.run(args(rounds=0))
+
+
 @pytest.mark.slow
 def test_serve_py_alone_through_the_benchmark(tmp_path, capsys):
     """One concurrency, two short requests: the start-up is timed, the peak RSS read, the EOS ignored."""

@@ -205,7 +205,8 @@ def test_torchrun_smollm2_pipeline_matches_one_process(smollm2_gguf, quantize):
 @pytest.mark.slow
 def test_torchrun_serve_pipeline_answers_8_concurrent_requests_as_one_process(smollm2, smollm2_gguf):
     """`torchrun serve.py --pipeline-parallel 2` on SmolLM2: 8 concurrent greedy completions, half of them sharing
-    a prefix (prefix cache on), are one process's engine's answers, and a SIGTERM drains and stops both ranks."""
+    a prefix (prefix cache on), are one process's engine's answers; the same prompt again comes from the prefix cache;
+    and a SIGTERM drains rank 0, which then stops the other rank."""
     model, tokenizer = smollm2
     preamble = ("Geography facts, one per line, about the rivers, mountains, lakes and cities of Europe and Asia, "
                 "written for a school quiz. ")  # longer than a KV block (16): the prompts share its blocks
@@ -244,5 +245,7 @@ def test_torchrun_serve_pipeline_answers_8_concurrent_requests_as_one_process(sm
         assert got == want
         assert again["choices"][0]["text"] == want[0] and again["usage"]["prompt_tokens_details"]["cached_tokens"]
     finally:
-        proc.terminate()
-        assert proc.wait(timeout=60) == 0, proc.stdout.read()
+        proc.terminate()  # torchrun passes it to both ranks, then exits 1 with its own SignalException traceback
+        proc.wait(timeout=60)
+    log = proc.stdout.read()
+    assert "shutting down" in log and "ChildFailedError" not in log, log  # rank 0 drained; no rank failed

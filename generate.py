@@ -367,7 +367,7 @@ def setup_summary(plan: Plan, args: argparse.Namespace, model: Transformer, shar
     else:  # every rank's, gathered (rank 0 prints them)
         per_rank = " + ".join(f"{n / 1e6:.1f}" for n in tp.each_rank(weight_bytes(model)))
         setup = f" | tensor parallel x{shard.world}" if not isinstance(model, pp.Pipeline) else \
-            f" | pipeline parallel x{shard.world} ({pp.layer_ranges(model)}; {model.micro_batches} micro-batches)"
+            f" | pipeline parallel x{shard.world} ({pp.layer_ranges(model)}; {pp.micro(model)})"
         setup += f" | weights per rank {per_rank} MB"
     setup += "" if label == "float" else " " + label
     setup += " | kv int8" if args.kv_cache_dtype == "int8" else ""

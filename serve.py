@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> None:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
             return serve_stage(args, model)
-        parallel = f" | pipeline parallel x{stage.world} ({layers}; {model.micro_batches} micro-batches)"
+        parallel = f" | pipeline parallel x{stage.world} ({layers}; {pp.micro(model)})"
     engine = make_engine(args, model, tokenizer)
     config = engine.config
     serving = serve_config(args, sampling)

@@ -260,6 +260,10 @@ def layer_ranges(pipe: Pipeline) -> str:
     return "layers " + " | ".join(f"{a}-{a + n - 1}" for a, n in zip(firsts, counts))
 
 
+def micro(pipe: Pipeline) -> str:
+    return f"{pipe.micro_batches} micro-batch{'es' if pipe.micro_batches > 1 else ''}"
+
+
 class PipelineStep:
     """The engine's step on rank 0 (the first stage): before each forward, it tells the other stages its shapes,
     positions, block tables and the pool's block copies since the last one (serve_stage runs the same forward on

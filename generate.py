@@ -366,8 +366,7 @@ def setup_summary(plan: Plan, args: argparse.Namespace, model: Transformer, shar
         setup = f" | weights {weight_bytes(model) / 1e6:.1f} MB"
     else:  # every rank's, gathered (rank 0 prints them)
         per_rank = " + ".join(f"{n / 1e6:.1f}" for n in tp.each_rank(weight_bytes(model)))
-        setup = f" | tensor parallel x{shard.world}" if not isinstance(model, pp.Pipeline) else \
-            f" | pipeline parallel x{shard.world} ({pp.layer_ranges(model)}; {pp.micro(model)})"
+        setup = f" | tensor parallel x{shard.world}" if not isinstance(model, pp.Pipeline) else pp.summary(model)
         setup += f" | weights per rank {per_rank} MB"
     setup += "" if label == "float" else " " + label
     setup += " | kv int8" if args.kv_cache_dtype == "int8" else ""
@@ -414,6 +413,7 @@ def run(args: argparse.Namespace) -> None:
     texts = read_prompts(args)
     first_turn = one_prompt(args) if args.interactive else None
     device, shard = pick_device(args.device), tp.from_env()  # torchrun with several processes: tensor parallel
+    stage, group = pp.place(shard, args.pipeline_parallel) if args.pipeline_parallel else (None, None)
     if shard is not None:
         device = tp.device_for(shard, device)
         if shard.rank > 0:  # every rank computes the same tokens; rank 0 alone writes them
@@ -425,17 +425,17 @@ def run(args: argparse.Namespace) -> None:
     tokenizer, tools, system, prompts = tokenize(args, path, texts, plan.chat_template)
     # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
     model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
-                          quantize_head=args.quantize_head, shard=None if args.pipeline_parallel else shard,
+                          quantize_head=args.quantize_head, shard=shard if stage is None else stage.shard(),
                           cache_dir=weights_cache(args.weights_cache))
-    if args.pipeline_parallel is not None:  # this rank's stage of the model, whole as loaded
-        model = pp.split(model, args.micro_batches or args.pipeline_parallel)
+    if stage is not None:  # this rank's stage of the model (of its tensor-parallel slice), whole as loaded
+        model = pp.split(model, stage, args.micro_batches or args.pipeline_parallel)
     context, what = context_of(plan, args, model)
     for prompt in prompts:
         check_request(prompt, 1, context, what)
     seed = args.seed if args.seed is not None else torch.Generator().seed()  # leaves torch's global RNG alone
     generator = torch.Generator(device=device).manual_seed(seed if shard is None else tp.same_seed(seed, device))
-    if shard is not None and args.pipeline_parallel is None:
-        tp.install(model)
+    if shard is not None and (stage is None or stage.tp_world > 1):
+        tp.install(model, group)
     # auto compiles where it pays: an answer long enough, or a chat once its answers have decoded as many
     n_new = None if args.interactive else new_tokens(args.max_new_tokens, max(map(len, prompts)), context, what)
     step = Step(model, "none" if args.pipeline_parallel else args.compile, args.compile_prefill, args.deterministic,

@@ -267,7 +267,7 @@ def serve_stage(args: argparse.Namespace, model: pp.Pipeline) -> None:
     pp.serve_stage(Step(model, "none", deterministic=args.deterministic), pool)
 
 
-def load(args: argparse.Namespace, device, dtype) -> tuple:
+def load(args: argparse.Namespace, device, dtype, shard=None) -> tuple:
     """(model, tokenizer, sampling defaults, served names) as the model flags say: -m or -hf, --chat-template
     in place of the model's, --generation-config's defaults (checked before the weights load)."""
     from load import load_model, resolve_model_path
@@ -278,7 +278,7 @@ def load(args: argparse.Namespace, device, dtype) -> tuple:
     path = resolve_model_path(model_path, hub=args.hf_repo is not None)
     sampling = generation_config(args.generation_config, path)
     model, path = load_model(path, device, dtype, progress=not args.quiet and sys.stderr.isatty(),
-                             quantize=args.quantize, cache_dir=weights_cache(args.weights_cache))
+                             quantize=args.quantize, shard=shard, cache_dir=weights_cache(args.weights_cache))
     tokenizer = load_tokenizer(path)
     if template is not None:
         tokenizer.chat_template = template
@@ -290,23 +290,25 @@ def run(args: argparse.Namespace) -> None:
 
     check_flags(args)
     set_threads(args.threads)
-    device, stage = pick_device(args.device), tp.from_env() if args.pipeline_parallel else None
-    if stage is not None:  # rank 0 serves; the later stages compute its forwards' layers
-        device, args.quiet = tp.device_for(stage, device), args.quiet or stage.rank > 0
-    if stage is None or stage.rank == 0:
+    device, whole = pick_device(args.device), tp.from_env() if args.pipeline_parallel else None
+    stage, group = pp.place(whole, args.pipeline_parallel) if whole is not None else (None, None)
+    if whole is not None:  # rank 0 serves; the other ranks compute its forwards' layers
+        device, args.quiet = tp.device_for(whole, device), args.quiet or whole.rank > 0
+    if whole is None or whole.rank == 0:
         check_port(args.host, args.port)  # before the model loads
         use_file_descriptors(args.max_connections)
     dtype, dtype_why = pick_dtype(args.dtype, device)
-    model, tokenizer, sampling, names = load(args, device, dtype)
+    model, tokenizer, sampling, names = load(args, device, dtype, None if stage is None else stage.shard())
     parallel = ""
     if stage is not None:
-        model = pp.split(model, args.micro_batches or args.pipeline_parallel, to=0)
-        layers = pp.layer_ranges(model)
-        if stage.rank > 0:  # a signal (torchrun passes one to every rank) drains rank 0, which then says stop
+        model = pp.split(model, stage, args.micro_batches or args.pipeline_parallel, to=0)
+        if stage.tp_world > 1:
+            tp.install(model, group)
+        parallel = pp.summary(model)
+        if whole.rank > 0:  # a signal (torchrun passes one to every rank) drains rank 0, which then says stop
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
             return serve_stage(args, model)
-        parallel = f" | pipeline parallel x{stage.world} ({layers}; {pp.micro(model)})"
     engine = make_engine(args, model, tokenizer)
     config = engine.config
     serving = serve_config(args, sampling)

@@ -17,7 +17,11 @@ A forward's rows are split into M micro-batches that flow through the stages one
 micro-batch m while stage s + 1 works on m - 1 (irecv posted ahead, isend). The stages still idle while the pipeline
 fills and drains: the bubble, (P - 1) / (M + P - 1) of a forward's time for equal stages; Clock measures each
 stage's busy and whole time, and report() sets the two side by side. Only the rows split: a prompt of one row
-runs as one micro-batch. Tensor parallelism within a stage is not supported (a ValueError says so).
+runs as one micro-batch.
+
+With P x N processes, each stage is N tensor-parallel ranks (tp.py, over a process group of their own): rank
+s * N + t holds slice t of stage s's layers, sends its (whole, all-reduced) hidden state to its counterpart
+(s + 1) * N + t, and the last stage's first rank hands out the logits.
 """
 import copy
 import dataclasses
@@ -39,16 +43,27 @@ FORWARD, STOP = 1, 0  # what rank 0's PipelineStep tells the other stages
 
 
 def check_world(stages: int) -> None:
-    """A ValueError unless torchrun started one process per stage (WORLD_SIZE == stages >= 2)."""
+    """A ValueError unless torchrun started P x N processes for P = stages >= 2: N tensor-parallel ranks a stage."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if stages < 2:
         raise ValueError(f"--pipeline-parallel must be >= 2 (stages, one process each), got {stages}")
     if world == 1:
         raise ValueError(f"--pipeline-parallel {stages} runs one process per stage: launch it with torchrun "
                          f"--nproc-per-node {stages} (README, More than one machine)")
-    if world != stages:
-        raise ValueError(f"--pipeline-parallel {stages} needs {stages} processes, torchrun started {world}; "
-                         "pipeline parallel x tensor parallel is not supported: give --nproc-per-node the stages")
+    if world % stages:
+        raise ValueError(f"--pipeline-parallel {stages} needs a multiple of {stages} processes (P stages x N "
+                         f"tensor-parallel ranks each), torchrun started {world}")
+
+
+def place(whole: tp.Shard, stages: int) -> tuple["Stage", object]:
+    """Where this process is, from its rank of all (tp.from_env): its Stage, and the process group of its stage's
+    tensor-parallel ranks (None with one rank a stage). Ranks s*N ... s*N + N - 1 make stage s."""
+    n = whole.world // stages
+    stage = Stage(whole.rank // n, stages, whole.rank % n, n)
+    if n == 1:
+        return stage, None
+    groups = [dist.new_group(list(range(s * n, (s + 1) * n))) for s in range(stages)]  # every rank makes each
+    return stage, groups[stage.rank]
 
 
 def layer_cost(args: ModelArgs) -> int:
@@ -59,9 +74,20 @@ def layer_cost(args: ModelArgs) -> int:
 
 @dataclass(frozen=True)
 class Stage:
-    """This process's place in the pipeline: stage `rank` of `world`."""
+    """This process's place in the pipeline: stage `rank` of `world`, and its rank of the stage's tp_world
+    tensor-parallel ranks."""
     rank: int
     world: int
+    tp_rank: int = 0
+    tp_world: int = 1
+
+    def peer(self, stage: int) -> int:
+        """The global rank of this process's counterpart (the same tensor-parallel rank) in another stage."""
+        return stage * self.tp_world + self.tp_rank
+
+    def shard(self) -> tp.Shard | None:
+        """This process's tensor-parallel slice of every layer (tp.py), or None with one rank a stage."""
+        return None if self.tp_world == 1 else tp.Shard(self.tp_rank, self.tp_world)
 
     @property
     def first(self) -> bool:
@@ -71,15 +97,27 @@ class Stage:
     def last(self) -> bool:
         return self.rank == self.world - 1
 
-    def layers(self, args: ModelArgs) -> range:
-        """This stage's layers: balanced so that each stage reads about the same weights a step, the last stage's
-        head (vocab x dim) counted as layers; a ValueError when there are fewer layers than stages."""
+    def counts(self, args: ModelArgs) -> list[int]:
+        """Every stage's layer count: balanced so that each stage reads about the same weights a step, the last
+        stage's head (its vocabulary rows x dim) counted as layers; a ValueError for fewer layers than stages."""
         if args.n_layers < self.world:
             raise ValueError(f"pipeline parallel: {args.n_layers} layers cannot be split over {self.world} stages")
-        head = args.vocab_size / layer_cost(args)  # the head's weights per model dim, in layers
-        counts = tp.balanced(args.n_layers, [0.0] * (self.world - 1) + [head])
+        head = args.vocab_size / self.tp_world / layer_cost(args)  # the head's weights per model dim, in layers
+        return tp.balanced(args.n_layers, [0.0] * (self.world - 1) + [head])
+
+    def layers(self, args: ModelArgs, counts: list[int] | None = None) -> range:
+        """This stage's layers, of counts (default: counts(args))."""
+        counts = counts or self.counts(args)
         start = sum(counts[:self.rank])
         return range(start, start + counts[self.rank])
+
+    def agreed(self, args: ModelArgs, device) -> range:
+        """layers() as rank 0 counts them: a tensor-parallel rank's args are its own slice's, uneven where the
+        heads fall unevenly (SmolLM2: 6 and 3 heads), and every rank must cut the model in the same places."""
+        counts = torch.tensor(self.counts(args), device=device)
+        if self.tp_world > 1:
+            dist.broadcast(counts, src=0)
+        return self.layers(args, counts.tolist())
 
 
 class Received(nn.Module):
@@ -159,7 +197,7 @@ class Pipeline(Transformer):
             raise ValueError(f"pipeline parallel does not support {type(model).__name__} models")
         if micro_batches < 1:
             raise ValueError(f"--micro-batches must be >= 1, got {micro_batches}")
-        span = stage.layers(model.args)
+        span = stage.agreed(model.args, model.embed_tokens.weight.device)
         self.args = dataclasses.replace(model.args, n_layers=len(span))  # its KV cache holds its layers only
         self.first_layer, self.stage, self.micro_batches, self.to = span.start, stage, micro_batches, to
         like = model.embed_tokens.weight
@@ -187,7 +225,7 @@ class Pipeline(Transformer):
         like = self.embed_tokens.weight
         inbox = [] if first else [torch.empty(b - a, T, self.args.dim, dtype=like.dtype, device=like.device)
                                    for a, b in parts]  # (b, T, C) each
-        posted = [dist.irecv(t, src=self.stage.rank - 1) for t in inbox]
+        posted = [dist.irecv(t, src=self.stage.peer(self.stage.rank - 1)) for t in inbox]
         sent, outs, busy = [], [], 0.0
         for m, (a, b) in enumerate(parts):
             if first:
@@ -206,7 +244,7 @@ class Pipeline(Transformer):
                 outs.append(self.head(h, all_logits))  # (b, T or 1, V)
             else:
                 h = h.contiguous()
-                sent.append((dist.isend(h, dst=self.stage.rank + 1), h))  # h kept until it is sent
+                sent.append((dist.isend(h, dst=self.stage.peer(self.stage.rank + 1)), h))  # h kept until sent
             busy += time.perf_counter() - t0
         for work, _ in sent:
             work.wait()
@@ -215,27 +253,29 @@ class Pipeline(Transformer):
         return logits
 
     def logits(self, outs: list[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
-        """The last stage's logits (B, T, V) on every rank (broadcast), or on rank 0 only (to=0; the others' empty)."""
-        last = self.stage.world - 1
+        """The last stage's logits (B, T, V) on every rank (broadcast by its first tensor-parallel rank), or on
+        rank 0 only (to=0; the others' empty)."""
+        src, me = (self.stage.world - 1) * self.stage.tp_world, dist.get_rank()
         if self.stage.last:
             logits = torch.cat(outs)  # (B, T, V)
-        elif self.to == "all" or self.stage.first:
+        elif self.to == "all" or me == 0:
             logits = torch.empty(B, T, self.args.vocab_size, dtype=torch.float32, device=device)
         else:
             return torch.empty(B, T, 0, device=device)
         if self.to == "all":
-            dist.broadcast(logits, src=last)
-        elif self.stage.last and not self.stage.first:
+            dist.broadcast(logits, src=src)
+            return logits
+        if me == src:
             dist.send(logits, dst=0)
-            return logits[..., :0]
-        elif self.stage.first:
-            dist.recv(logits, src=last)
-        return logits
+        elif me == 0:
+            dist.recv(logits, src=src)
+            return logits
+        return logits[..., :0]
 
     def report(self) -> str:
         """Every stage's busy share of its forwards' time against the formula's, gathered (a collective: every
         rank calls it); rank 0 prints it."""
-        clocks = [None] * self.stage.world
+        clocks = [None] * dist.get_world_size()  # every rank of every stage
         dist.all_gather_object(clocks, self.clock)
         whole = sum(c.whole for c in clocks)
         if not whole:
@@ -248,20 +288,26 @@ class Pipeline(Transformer):
                 f"{micro}")
 
 
-def split(model: Transformer, micro_batches: int = 1, to: str = "all") -> Pipeline:
-    """This rank's stage of a loaded model (the process group joined: tp.from_env); the other layers are
+def split(model: Transformer, stage: Stage, micro_batches: int = 1, to: str = "all") -> Pipeline:
+    """This rank's stage of a loaded model (with tp_world > 1, loaded as stage.shard()); the other layers are
     dropped with the model."""
-    return Pipeline(model, Stage(dist.get_rank(), dist.get_world_size()), micro_batches, to)
+    return Pipeline(model, stage, micro_batches, to)
 
 
 def layer_ranges(pipe: Pipeline) -> str:
     """Every stage's layers, e.g. `layers 0-18 | 19-29` (a collective: every rank calls it)."""
-    firsts, counts = tp.each_rank(pipe.first_layer), tp.each_rank(pipe.args.n_layers)
-    return "layers " + " | ".join(f"{a}-{a + n - 1}" for a, n in zip(firsts, counts))
+    n = pipe.stage.tp_world  # a stage's ranks hold the same layers
+    firsts, counts = tp.each_rank(pipe.first_layer)[::n], tp.each_rank(pipe.args.n_layers)[::n]
+    return "layers " + " | ".join(f"{a}-{a + c - 1}" for a, c in zip(firsts, counts))
 
 
-def micro(pipe: Pipeline) -> str:
-    return f"{pipe.micro_batches} micro-batch{'es' if pipe.micro_batches > 1 else ''}"
+def summary(pipe: Pipeline) -> str:
+    """The summary line's part, e.g. ` | pipeline parallel x2 (layers 0-18 | 19-29; 2 micro-batches)` (a
+    collective: every rank calls it)."""
+    m, n = pipe.micro_batches, pipe.stage.tp_world
+    tensor = f" x tensor parallel x{n}" if n > 1 else ""
+    return (f" | pipeline parallel x{pipe.stage.world}{tensor} ({layer_ranges(pipe)}; {m} micro-batch"
+            f"{'es' if m > 1 else ''})")
 
 
 class PipelineStep:
@@ -289,8 +335,8 @@ class PipelineStep:
         device = tokens.device
         header = [FORWARD, B, T, cache.tables.shape[1], input_pos.dim(), all_logits, prefill, len(self.copies)]
         dist.broadcast(torch.tensor(header, device=device), src=0)
-        dist.broadcast(input_pos.to(torch.int64).contiguous(), src=0)
-        dist.broadcast(cache.tables.to(torch.int64).contiguous(), src=0)
+        for t in (tokens, input_pos, cache.tables):  # tokens: for the first stage's other tensor-parallel ranks
+            dist.broadcast(t.to(torch.int64).contiguous(), src=0)
         if self.copies:
             dist.broadcast(torch.tensor(self.copies, device=device), src=0)  # (n, 2)
             self.copies = []
@@ -311,14 +357,14 @@ def serve_stage(step, pool: BlockPool) -> None:
         op, B, T, N, dims, all_logits, prefill, n_copies = header.tolist()
         if op == STOP:
             return
+        tokens = torch.empty(B, T, dtype=torch.int64, device=device)
         input_pos = torch.empty((B, T) if dims == 2 else (T,), dtype=torch.int64, device=device)
         tables = torch.empty(B, N, dtype=torch.int64, device=device)
-        for t in (input_pos, tables):
+        for t in (tokens, input_pos, tables):
             dist.broadcast(t, src=0)
         if n_copies:
             copies = torch.empty(n_copies, 2, dtype=torch.int64, device=device)
             dist.broadcast(copies, src=0)
             for src, dst in copies.tolist():
                 pool.copy_block(src, dst)
-        tokens = torch.zeros(B, T, dtype=torch.int64, device=device)  # the first stage's to embed; unused here
         step(tokens, input_pos, PagedKVCache(pool, tables), all_logits=bool(all_logits), prefill=bool(prefill))

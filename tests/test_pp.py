@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 import generate as generate_cli
 from decode import generate_batch
-from features import pp
+from features import pp, tp
 from helpers import ROOT, ToyTokenizer, run_py
 from kvcache import BlockPool, Int8LayerKVCache, KVCache, PagedKVCache
 from load import load_model
@@ -52,22 +52,26 @@ def run_engine(engine) -> list:
     return [[(c.tokens, c.prefilled) for c in engine.generate(engine_prompts(), max_new_tokens=10)] for _ in range(2)]
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, micro: int) -> None:
-    """One stage: the all-position logits of PROMPT, a greedy continuation, a batch of rows of different lengths,
-    and the engine (rank 0; the later stages run serve_stage), saved for the parent."""
+def run_rank(rank: int, world: int, stages: int, port: int, model_dir: str, out_dir: str, micro: int) -> None:
+    """One rank of a stage: the all-position logits of PROMPT, a greedy continuation, a batch of rows of different
+    lengths, and the engine (rank 0; the other ranks run serve_stage), saved for the parent."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model, _ = load_model(model_dir, "cpu", torch.float32)
-        pipe = pp.split(model, micro)
+        stage, group = pp.place(tp.Shard(rank, world), stages)
+        model, _ = load_model(model_dir, "cpu", torch.float32, shard=stage.shard())
+        if group is not None:  # once: both pipelines below share the model's modules
+            tp.install(model, group)
+        pipe = pp.split(model, stage, micro)
         step = Step(pipe)
         with torch.inference_mode():
             logits = pipe(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), all_logits=True)[0]
             out = {"logits": logits, "tokens": greedy_ids(pipe, PROMPT, N_NEW, step=step),
                    "rows": batch_tokens(pipe, step), "layers": len(pipe.layers), "first": pipe.first_layer,
-                   "cache_layers": len(KVCache.for_model(pipe.args, 1, 8, torch.float32, "cpu").layers)}
-        engine_pipe = pp.split(model, micro, to=0)
+                   "cache_layers": len(KVCache.for_model(pipe.args, 1, 8, torch.float32, "cpu").layers),
+                   "kv_heads": pipe.args.n_kv_heads}
+        engine_pipe = pp.split(model, stage, micro, to=0)
         engine_step = pp.PipelineStep(Step(engine_pipe)) if rank == 0 else Step(engine_pipe)
         if rank == 0:
             engine = Engine(engine_pipe, ToyTokenizer(), ENGINE, engine_step)
@@ -103,13 +107,14 @@ def single(tiny4_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,micro", [(2, 1), (2, 2), (3, 2), (3, 4)])
-def test_stages_give_one_process_logits_tokens_and_engine(tiny4_dir, single, tmp_path, world, micro):
-    """P stages with M micro-batches: one process's float32 logits within 1e-5, its greedy tokens, a batch of rows
-    of different lengths (per-row positions, split into micro-batches), and the engine's 8 concurrent requests
-    twice, the second round from the prefix cache (fewer tokens prefilled), whose forwards run through the stages;
-    each stage holds and caches only its layers."""
-    mp.spawn(run_rank, args=(world, free_port(), tiny4_dir, str(tmp_path), micro), nprocs=world)
+@pytest.mark.parametrize("world,stages,micro", [(2, 2, 1), (2, 2, 2), (3, 3, 2), (3, 3, 4), (4, 2, 2)])
+def test_stages_give_one_process_logits_tokens_and_engine(tiny4_dir, single, tmp_path, world, stages, micro):
+    """P stages with M micro-batches (and 2 tensor-parallel ranks a stage: 4 processes for 2 stages): one
+    process's float32 logits within 1e-5, its greedy tokens, a batch of rows of different lengths (per-row
+    positions, split into micro-batches), and the engine's 8 concurrent requests twice, the second round from the
+    prefix cache (fewer tokens prefilled), whose forwards run through the stages; each stage holds and caches only
+    its layers (and under tensor parallel its kv heads)."""
+    mp.spawn(run_rank, args=(world, stages, free_port(), tiny4_dir, str(tmp_path), micro), nprocs=world)
     ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(world)]
     for r in ranks:
         assert (r["logits"] - single["logits"]).abs().max() <= 1e-5
@@ -119,9 +124,12 @@ def test_stages_give_one_process_logits_tokens_and_engine(tiny4_dir, single, tmp
     assert ranks[0]["engine"] == single["engine"]
     second = [prefilled for _, prefilled in ranks[0]["engine"][1]]
     assert sum(second) < sum(len(p) for p in engine_prompts())  # the prefix cache served part of the prompts
-    assert [r["first"] for r in ranks] == [sum(r["layers"] for r in ranks[:i]) for i in range(world)]
-    assert sum(r["layers"] for r in ranks) == 4
-    assert f"pipeline x{world}: bubble" in ranks[0]["report"] and f"x {min(micro, len(ROWS))}" in ranks[0]["report"]
+    heads = [r["kv_heads"] for r in ranks]
+    assert heads == [2 // (world // stages)] * world  # llama-gqa's 2 kv heads, split over a stage's ranks
+    firsts = [r["first"] for r in ranks[::world // stages]]  # a stage's ranks hold the same layers
+    assert firsts == [sum(r["layers"] for r in ranks[:i * world // stages:world // stages]) for i in range(stages)]
+    assert sum(r["layers"] for r in ranks[::world // stages]) == 4
+    assert f"pipeline x{stages}: bubble" in ranks[0]["report"] and f"x {min(micro, len(ROWS))}" in ranks[0]["report"]
 
 
 def test_layers_are_balanced_with_the_head_on_the_last_stage():
@@ -132,6 +140,8 @@ def test_layers_are_balanced_with_the_head_on_the_last_stage():
     assert pp.layer_cost(smollm2) == 6144
     assert [pp.Stage(r, 2).layers(smollm2) for r in range(2)] == [range(0, 19), range(19, 30)]
     assert [len(pp.Stage(r, 3).layers(smollm2)) for r in range(3)] == [13, 13, 4]
+    rank0 = tp.Shard(0, 2).args(smollm2)  # 6 heads and 672 MLP units (rank 1: 3 and 864), half the vocabulary
+    assert pp.Stage(0, 2, 0, 2).counts(rank0) == pp.Stage(1, 2, 1, 2).counts(tp.Shard(1, 2).args(smollm2)) == [19, 11]
     tiny = ModelArgs(vocab_size=160, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=112, head_dim=24)
     assert [pp.Stage(r, 3).layers(tiny) for r in range(3)] == [range(0, 2), range(2, 3), range(3, 4)]
     with pytest.raises(ValueError, match="4 layers cannot be split over 5 stages"):
@@ -159,7 +169,8 @@ def test_a_micro_batch_sees_its_rows_of_the_cache():
 
 
 def test_pipeline_flags_are_checked(monkeypatch):
-    """--pipeline-parallel runs under torchrun with one process per stage, eagerly; --micro-batches needs it."""
+    """--pipeline-parallel runs under torchrun with P x N processes (N tensor-parallel ranks a stage), eagerly;
+    --micro-batches needs it."""
     def check(*flags: str) -> None:
         generate_cli.check_args(generate_cli.parse_args(["--prompt", "x", *flags]))
 
@@ -170,8 +181,8 @@ def test_pipeline_flags_are_checked(monkeypatch):
         check("--pipeline-parallel", "2")
     with pytest.raises(ValueError, match="runs eagerly; it cannot take --compile full"):
         check("--pipeline-parallel", "2", "--compile", "full")
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ValueError, match="needs 2 processes, torchrun started 4; pipeline parallel x tensor"):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"needs a multiple of 2 processes \(P stages x N tensor-parallel ranks "):
         check("--pipeline-parallel", "2")
     with pytest.raises(ValueError, match="must be >= 2"):
         check("--pipeline-parallel", "1")
@@ -187,18 +198,20 @@ def torchrun(world: int, *args: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantize", [None, "none"])
-def test_torchrun_smollm2_pipeline_matches_one_process(smollm2_gguf, quantize):
+@pytest.mark.parametrize("world,quantize", [(2, None), (2, "none"), (4, None)])
+def test_torchrun_smollm2_pipeline_matches_one_process(smollm2_gguf, world, quantize):
     """`torchrun --nproc-per-node 2 generate.py --pipeline-parallel 2` on SmolLM2: one process's greedy text, on
-    the file's int4 codes and dequantized; the summary names the stages' layers and the bubble line follows."""
+    the file's int4 codes and dequantized, and with 4 processes (each stage 2 tensor-parallel ranks, 6 and 3 heads);
+    the summary names the stages' layers and the bubble line follows."""
     extra = [] if quantize is None else ["--quantize", quantize]
     one = run_py(*SMOLLM2_CMD, "--model", smollm2_gguf, *extra)
     assert one.returncode == 0, one.stderr
-    got = run_py(*torchrun(2, *SMOLLM2_CMD, "--model", smollm2_gguf, "--pipeline-parallel", "2", *extra)[1:],
+    got = run_py(*torchrun(world, *SMOLLM2_CMD, "--model", smollm2_gguf, "--pipeline-parallel", "2", *extra)[1:],
                  timeout=600)
     assert got.returncode == 0, got.stderr
     assert got.stdout == one.stdout and one.stdout.strip()
-    assert "pipeline parallel x2 (layers 0-18 | 19-29; 2 micro-batches)" in got.stderr
+    tensor = " x tensor parallel x2" if world == 4 else ""
+    assert f"pipeline parallel x2{tensor} (layers 0-18 | 19-29; 2 micro-batches)" in got.stderr
     assert re.search(r"pipeline x2: bubble [\d.]+% measured", got.stderr), got.stderr
 
 

@@ -265,6 +265,7 @@ def serve_stage(args: argparse.Namespace, model: pp.Pipeline) -> None:
     config, weight = engine_config(args, context_of(args, model)), model.embed_tokens.weight
     pool = BlockPool.for_model(model.args, config.num_blocks, config.block_size, weight.dtype, weight.device)
     pp.serve_stage(Step(model, "none", deterministic=args.deterministic), pool)
+    model.report()  # rank 0 prints every rank's
 
 
 def load(args: argparse.Namespace, device, dtype, shard=None) -> tuple:
@@ -341,8 +342,11 @@ def run(args: argparse.Namespace) -> None:
     try:
         stopped = server.run_engine()  # until drain() stops it, or it fails (it printed why; requests got it)
     finally:
-        if stage is not None:  # the later stages return from serve_stage
+        if stage is not None:  # the other ranks return from serve_stage; every rank's clock, gathered
             engine.decode_step.stop()
+            bubble = model.report()
+            if not args.quiet:
+                print(bubble, file=sys.stderr)
         # Exiting: a later signal changes nothing. Python resets its handlers to the default late in its teardown
         # (seconds, with torch loaded), and a second Ctrl-C then killed the process (status -2, not 0).
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -7,7 +7,8 @@ hidden state crosses, point to point (B x T x C values per forward), so unlike t
 per layer it tolerates a slow link (Ethernet between machines). The layers go to stages so that each stage's decode
 step reads about the same weights, the head counted on the last stage (SmolLM2's 30 layers over 2 stages: 19 and
 11 + the head, which weighs as much as 8 layers). Each stage's KV cache holds only its layers: a stage's model is a
-Transformer whose ModelArgs has its n_layers.
+Transformer whose ModelArgs has its n_layers. A rank loads the model as one process does (strictly) and keeps its
+stage (split); the other layers are freed with the whole.
 
 Every rank runs the same decode loop: the last stage broadcasts the logits, so every rank samples the same token
 with the same generator (for generate.py); the serving engine runs on rank 0 alone, which gets the logits, and the

@@ -219,7 +219,7 @@ def test_torchrun_smollm2_pipeline_matches_one_process(smollm2_gguf, world, quan
 def test_torchrun_serve_pipeline_answers_8_concurrent_requests_as_one_process(smollm2, smollm2_gguf):
     """`torchrun serve.py --pipeline-parallel 2` on SmolLM2: 8 concurrent greedy completions, half of them sharing
     a prefix (prefix cache on), are one process's engine's answers; the same prompt again comes from the prefix cache;
-    and a SIGTERM drains rank 0, which then stops the other rank."""
+    and a SIGTERM drains rank 0, which then stops the other rank and prints the bubble."""
     model, tokenizer = smollm2
     preamble = ("Geography facts, one per line, about the rivers, mountains, lakes and cities of Europe and Asia, "
                 "written for a school quiz. ")  # longer than a KV block (16): the prompts share its blocks
@@ -229,7 +229,7 @@ def test_torchrun_serve_pipeline_answers_8_concurrent_requests_as_one_process(sm
                                                               max_new_tokens=10)]
     port = free_port()
     proc = subprocess.Popen(torchrun(2, "serve.py", "--model", smollm2_gguf, "--dtype", "float32", "--quantize",
-                                     "none", "--port", str(port), "--quiet", "--pipeline-parallel", "2"),
+                                     "none", "--port", str(port), "--pipeline-parallel", "2"),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -262,3 +262,4 @@ def test_torchrun_serve_pipeline_answers_8_concurrent_requests_as_one_process(sm
         proc.wait(timeout=60)
     log = proc.stdout.read()
     assert "shutting down" in log and "ChildFailedError" not in log, log  # rank 0 drained; no rank failed
+    assert re.search(r"pipeline x2: bubble [\d.]+% measured", log), log  # every rank's clock, printed at exit

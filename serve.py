@@ -67,7 +67,8 @@ RANGES = {"max_model_len": Range(0, 2**24), "port": Range(0, 65535), "block_size
           "num_blocks": Range(2, 2**24), "max_running": Range(1, 65536), "max_waiting": Range(1, 10**6),
           "token_budget": Range(1, 2**24), "cache_window": Range(1, 2**24), "sink_tokens": Range(0, 2**20),
           "max_body_bytes": Range(1, 2**31), "header_timeout": Range(0, 86400, above=True),
-          "max_connections": Range(1, 10**6), "shutdown_timeout": Range(0, 86400), "threads": THREADS}
+          "max_connections": Range(1, 10**6), "shutdown_timeout": Range(0, 86400), "threads": THREADS,
+          "pipeline_parallel": Range(2, 2**16), "micro_batches": Range(1, 2**16)}
 
 
 def build_parser() -> argparse.ArgumentParser:

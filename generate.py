@@ -407,13 +407,36 @@ def make_draft(args: argparse.Namespace, model: Transformer, path: str, device: 
     return ModelDraft(draft.eval(), model, step)
 
 
+def load_for(args: argparse.Namespace, path: str, device: torch.device, dtype: torch.dtype, progress: bool,
+             shard: tp.Shard | None) -> Transformer:
+    """The model this process runs: the whole; under torchrun its tensor-parallel slice (tp.install), or with
+    --pipeline-parallel its stage (pp.split) of the whole or of its slice."""
+    stage, group = pp.place(shard, args.pipeline_parallel) if args.pipeline_parallel else (None, None)
+    # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
+    model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
+                          quantize_head=args.quantize_head, shard=shard if stage is None else stage.shard(),
+                          cache_dir=weights_cache(args.weights_cache))
+    if stage is not None:  # this rank's stage of the model (of its tensor-parallel slice), whole as loaded
+        model = pp.split(model, stage, args.micro_batches or args.pipeline_parallel)
+    if shard is not None and (stage is None or stage.tp_world > 1):
+        tp.install(model, group)
+    return model
+
+
+def report_bubble(model: Transformer, quiet: bool) -> None:
+    """Under pipeline parallel, every rank's clock, gathered (every rank calls it); rank 0 prints the bubble."""
+    if isinstance(model, pp.Pipeline):
+        bubble = model.report()
+        if not quiet:
+            print(bubble, file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> None:
     plan = check_args(args)
     set_threads(args.threads)
     texts = read_prompts(args)
     first_turn = one_prompt(args) if args.interactive else None
     device, shard = pick_device(args.device), tp.from_env()  # torchrun with several processes: tensor parallel
-    stage, group = pp.place(shard, args.pipeline_parallel) if args.pipeline_parallel else (None, None)
     if shard is not None:
         device = tp.device_for(shard, device)
         if shard.rank > 0:  # every rank computes the same tokens; rank 0 alone writes them
@@ -423,19 +446,12 @@ def run(args: argparse.Namespace) -> None:
     path = resolve_model_path(model_of(args), hub=args.hf_repo is not None)
     params, from_config = checkpoint_sampling(plan, args, path)
     tokenizer, tools, system, prompts = tokenize(args, path, texts, plan.chat_template)
-    # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
-    model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
-                          quantize_head=args.quantize_head, shard=shard if stage is None else stage.shard(),
-                          cache_dir=weights_cache(args.weights_cache))
-    if stage is not None:  # this rank's stage of the model (of its tensor-parallel slice), whole as loaded
-        model = pp.split(model, stage, args.micro_batches or args.pipeline_parallel)
+    model = load_for(args, path, device, dtype, progress, shard)
     context, what = context_of(plan, args, model)
     for prompt in prompts:
         check_request(prompt, 1, context, what)
     seed = args.seed if args.seed is not None else torch.Generator().seed()  # leaves torch's global RNG alone
     generator = torch.Generator(device=device).manual_seed(seed if shard is None else tp.same_seed(seed, device))
-    if shard is not None and (stage is None or stage.tp_world > 1):
-        tp.install(model, group)
     # auto compiles where it pays: an answer long enough, or a chat once its answers have decoded as many
     n_new = None if args.interactive else new_tokens(args.max_new_tokens, max(map(len, prompts)), context, what)
     step = Step(model, "none" if args.pipeline_parallel else args.compile, args.compile_prefill, args.deterministic,
@@ -472,10 +488,7 @@ def run(args: argparse.Namespace) -> None:
         tokens = generate(prompt=prompts[0], max_new_tokens=n_new, kv_dtype=args.kv_cache_dtype, window=plan.window,
                           **run_one)
         out.report(out.reply(tokens, len(prompts[0]))[0], step.mode != "none")
-    if isinstance(model, pp.Pipeline):  # every rank's clock, gathered
-        bubble = model.report()
-        if not args.quiet:
-            print(bubble, file=sys.stderr)
+    report_bubble(model, args.quiet)
 
 
 def main(argv: list[str] | None = None) -> int:

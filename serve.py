@@ -260,9 +260,28 @@ def context_of(args: argparse.Namespace, model) -> int:
     return min(model.args.max_seq_len, args.max_model_len or model.args.max_seq_len)
 
 
+def stage_of(args: argparse.Namespace, model, stage: pp.Stage, group) -> tuple[pp.Pipeline, str]:
+    """This rank's pipeline stage of the loaded model (its tensor-parallel slice over group, if any), its logits
+    for rank 0; and the startup line's part that says so (every rank computes it: a collective)."""
+    pipe = pp.split(model, stage, args.micro_batches or args.pipeline_parallel, to=0)
+    if stage.tp_world > 1:
+        tp.install(pipe, group)
+    return pipe, pp.summary(pipe)
+
+
+def stop_stages(engine: Engine, quiet: bool) -> None:
+    """Rank 0, exiting: the other ranks return from serve_stage, and every rank's clock gives the bubble."""
+    engine.decode_step.stop()
+    bubble = engine.model.report()
+    if not quiet:
+        print(bubble, file=sys.stderr)
+
+
 def serve_stage(args: argparse.Namespace, model: pp.Pipeline) -> None:
-    """A later pipeline stage (rank > 0): its own pool, as large as the engine's, and the forwards rank 0 asks
-    for until it stops."""
+    """A rank > 0 of a pipeline: its own pool, as large as the engine's, and the forwards rank 0 asks for until it
+    stops. A signal (torchrun passes one to every rank) drains rank 0, which then says stop."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     config, weight = engine_config(args, context_of(args, model)), model.embed_tokens.weight
     pool = BlockPool.for_model(model.args, config.num_blocks, config.block_size, weight.dtype, weight.device)
     pp.serve_stage(Step(model, "none", deterministic=args.deterministic), pool)
@@ -301,16 +320,9 @@ def run(args: argparse.Namespace) -> None:
         use_file_descriptors(args.max_connections)
     dtype, dtype_why = pick_dtype(args.dtype, device)
     model, tokenizer, sampling, names = load(args, device, dtype, None if stage is None else stage.shard())
-    parallel = ""
-    if stage is not None:
-        model = pp.split(model, stage, args.micro_batches or args.pipeline_parallel, to=0)
-        if stage.tp_world > 1:
-            tp.install(model, group)
-        parallel = pp.summary(model)
-        if whole.rank > 0:  # a signal (torchrun passes one to every rank) drains rank 0, which then says stop
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, signal.SIG_IGN)
-            return serve_stage(args, model)
+    model, parallel = (model, "") if stage is None else stage_of(args, model, stage, group)
+    if whole is not None and whole.rank > 0:
+        return serve_stage(args, model)
     engine = make_engine(args, model, tokenizer)
     config = engine.config
     serving = serve_config(args, sampling)
@@ -343,11 +355,8 @@ def run(args: argparse.Namespace) -> None:
     try:
         stopped = server.run_engine()  # until drain() stops it, or it fails (it printed why; requests got it)
     finally:
-        if stage is not None:  # the other ranks return from serve_stage; every rank's clock, gathered
-            engine.decode_step.stop()
-            bubble = model.report()
-            if not args.quiet:
-                print(bubble, file=sys.stderr)
+        if stage is not None:
+            stop_stages(engine, args.quiet)
         # Exiting: a later signal changes nothing. Python resets its handlers to the default late in its teardown
         # (seconds, with torch loaded), and a second Ctrl-C then killed the process (status -2, not 0).
         for sig in (signal.SIGTERM, signal.SIGINT):

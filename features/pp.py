@@ -17,8 +17,9 @@ other ranks run serve_stage(), which mirrors each of the engine's forwards (Pipe
 A forward's rows are split into M micro-batches that flow through the stages one after another, so stage s works on
 micro-batch m while stage s + 1 works on m - 1 (irecv posted ahead, isend). The stages still idle while the pipeline
 fills and drains: the bubble, (P - 1) / (M + P - 1) of a forward's time for equal stages; Clock measures each
-stage's busy and whole time, and report() sets the two side by side. Only the rows split: a prompt of one row
-runs as one micro-batch.
+stage's busy and whole time, and report() sets the two side by side. A forward of one row (a prompt's prefill)
+splits into M chunks of its tokens instead: a stage has chunk c's keys in its KV cache before chunk c + 1 reaches
+it, so the chunks compute what the whole prompt does (a chunked prefill), and a long prompt's stages overlap.
 
 With P x N processes, each stage is N tensor-parallel ranks (tp.py, over a process group of their own): rank
 s * N + t holds slice t of stage s's layers, sends its (whole, all-reduced) hidden state to its counterpart
@@ -180,12 +181,12 @@ def rows_of(layer_cache, start: int, stop: int):
     return view
 
 
-def rows(t, start: int, stop: int, batched: bool):
-    """Rows [start, stop) of a per-row input (cos, sin or mask, (B, 1, T, .), or a pair of them); as it is when
-    shared by every row."""
-    if not batched:
-        return t
-    return tuple(x[start:stop] for x in t) if isinstance(t, tuple) else t[start:stop]
+def cut(v, a: int, b: int, t: int, u: int, batched: bool):
+    """A micro-batch's share of a per-token input (cos, sin or mask, or a pair of them): rows a:b of (B, 1, T, .)
+    with per-row positions, else tokens t:u of (T, .), shared by the rows."""
+    if isinstance(v, tuple):
+        return tuple(cut(x, a, b, t, u, batched) for x in v)
+    return v[a:b] if batched else v[t:u]
 
 
 class Pipeline(Transformer):
@@ -210,10 +211,17 @@ class Pipeline(Transformer):
             self.register_buffer(name, buffer, persistent=False)
         self.clock = Clock()
 
-    def parts(self, batch: int, cache) -> list[tuple[int, int]]:
-        """The micro-batches' rows: up to micro_batches of them, one when the cache cannot be seen by rows."""
-        sliceable = cache is None or all(rows_of(c, 0, 1) is not None for c in cache.layers[:1])
-        return tp.spans(batch, min(self.micro_batches, batch) if sliceable else 1)
+    def parts(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache) -> list[tuple[int, int, int, int]]:
+        """The micro-batches, (first row, stop row, first token, stop token) each: up to micro_batches of the rows;
+        one row's tokens in as many chunks (a prompt's prefill, positions shared by the batch: each stage has a
+        chunk's keys in its cache before the next chunk reaches it); one part when the cache cannot be cut."""
+        (B, T), m = tokens.shape, self.micro_batches
+        sliceable = cache is not None and all(rows_of(c, 0, 1) is not None for c in cache.layers[:1])
+        if B > 1 and (sliceable or cache is None):
+            return [(a, b, 0, T) for a, b in tp.spans(B, min(m, B))]
+        if T > 1 and sliceable and input_pos.dim() == 1:
+            return [(0, B, a, b) for a, b in tp.spans(T, min(m, T))]
+        return [(0, B, 0, T)]
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache | None = None,
                 all_logits: bool = False, steps: bool = False) -> torch.Tensor:
@@ -222,43 +230,45 @@ class Pipeline(Transformer):
         began = time.perf_counter()
         x, cos, sin, mask = self.inputs(tokens, input_pos, cache)
         B, T = tokens.shape
-        parts, batched, first, last = self.parts(B, cache), input_pos.dim() == 2, self.stage.first, self.stage.last
+        parts, batched = self.parts(tokens, input_pos, cache), input_pos.dim() == 2
+        first, last = self.stage.first, self.stage.last
+        by_rows = len(parts) > 1 and parts[0][3] == T  # else by tokens (or one part)
         like = self.embed_tokens.weight
-        inbox = [] if first else [torch.empty(b - a, T, self.args.dim, dtype=like.dtype, device=like.device)
-                                   for a, b in parts]  # (b, T, C) each
+        inbox = [] if first else [torch.empty(b - a, u - t, self.args.dim, dtype=like.dtype, device=like.device)
+                                   for a, b, t, u in parts]  # (b, t, C) each
         posted = [dist.irecv(t, src=self.stage.peer(self.stage.rank - 1)) for t in inbox]
         sent, outs, busy = [], [], 0.0
-        for m, (a, b) in enumerate(parts):
+        for m, (a, b, t, u) in enumerate(parts):
             if first:
-                h = x[a:b]  # (b, T, C)
+                h = x[a:b, t:u]  # (b, t, C)
             else:
                 posted[m].wait()
                 h = inbox[m]
             t0 = time.perf_counter()
-            pos = input_pos[a:b] if batched else input_pos
-            c, s, k = (rows(v, a, b, batched) for v in (cos, sin, mask))
+            pos = input_pos[a:b] if batched else input_pos[t:u]
+            c, s, k = (cut(v, a, b, t, u, batched) for v in (cos, sin, mask))
             for i, layer in enumerate(self.layers):
                 layer_cache = None if cache is None else cache.layers[i]
-                layer_cache = layer_cache if len(parts) == 1 or layer_cache is None else rows_of(layer_cache, a, b)
+                layer_cache = rows_of(layer_cache, a, b) if by_rows else layer_cache
                 h = layer(h, pos, c, s, k, layer_cache, steps)
-            if last:
-                outs.append(self.head(h, all_logits))  # (b, T or 1, V)
-            else:
+            if not last:
                 h = h.contiguous()
                 sent.append((dist.isend(h, dst=self.stage.peer(self.stage.rank + 1)), h))  # h kept until sent
+            elif all_logits or u == T:  # a chunk of tokens before the last gives its logits only when all are asked
+                outs.append(self.head(h, all_logits))  # (b, t or 1, V)
             busy += time.perf_counter() - t0
         for work, _ in sent:
             work.wait()
-        logits = self.logits(outs, B, T if all_logits else 1, like.device)
+        logits = self.logits(outs, B, T if all_logits else 1, like.device, 0 if by_rows else 1)
         self.clock.add(busy, time.perf_counter() - began, len(parts), self.stage.world)
         return logits
 
-    def logits(self, outs: list[torch.Tensor], B: int, T: int, device) -> torch.Tensor:
-        """The last stage's logits (B, T, V) on every rank (broadcast by its first tensor-parallel rank), or on
-        rank 0 only (to=0; the others' empty)."""
+    def logits(self, outs: list[torch.Tensor], B: int, T: int, device, dim: int) -> torch.Tensor:
+        """The last stage's logits (B, T, V), its parts' put together along dim (rows or tokens), on every rank
+        (broadcast by its first tensor-parallel rank), or on rank 0 only (to=0; the others' empty)."""
         src, me = (self.stage.world - 1) * self.stage.tp_world, dist.get_rank()
         if self.stage.last:
-            logits = torch.cat(outs)  # (B, T, V)
+            logits = torch.cat(outs, dim=dim)  # (B, T, V)
         elif self.to == "all" or me == 0:
             logits = torch.empty(B, T, self.args.vocab_size, dtype=torch.float32, device=device)
         else:

@@ -67,8 +67,12 @@ def run_rank(rank: int, world: int, stages: int, port: int, model_dir: str, out_
         step = Step(pipe)
         with torch.inference_mode():
             logits = pipe(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), all_logits=True)[0]
-            out = {"logits": logits, "tokens": greedy_ids(pipe, PROMPT, N_NEW, step=step),
-                   "rows": batch_tokens(pipe, step), "layers": len(pipe.layers), "first": pipe.first_layer,
+            cache = KVCache.for_model(pipe.args, 1, 16, torch.float32, "cpu")  # the prompt in micro-batches of tokens
+            prompt, pos = torch.tensor([PROMPT]), torch.arange(len(PROMPT))
+            cached = step(prompt, pos, cache, all_logits=True, prefill=True)
+            out = {"logits": logits, "cached": cached[0], "chunks": len(pipe.parts(prompt, pos, cache)),
+                   "tokens": greedy_ids(pipe, PROMPT, N_NEW, step=step), "rows": batch_tokens(pipe, step),
+                   "layers": len(pipe.layers), "first": pipe.first_layer,
                    "cache_layers": len(KVCache.for_model(pipe.args, 1, 8, torch.float32, "cpu").layers),
                    "kv_heads": pipe.args.n_kv_heads}
         engine_pipe = pp.split(model, stage, micro, to=0)
@@ -110,14 +114,15 @@ def single(tiny4_dir):
 @pytest.mark.parametrize("world,stages,micro", [(2, 2, 1), (2, 2, 2), (3, 3, 2), (3, 3, 4), (4, 2, 2)])
 def test_stages_give_one_process_logits_tokens_and_engine(tiny4_dir, single, tmp_path, world, stages, micro):
     """P stages with M micro-batches (and 2 tensor-parallel ranks a stage: 4 processes for 2 stages): one
-    process's float32 logits within 1e-5, its greedy tokens, a batch of rows of different lengths (per-row
-    positions, split into micro-batches), and the engine's 8 concurrent requests twice, the second round from the
-    prefix cache (fewer tokens prefilled), whose forwards run through the stages; each stage holds and caches only
-    its layers (and under tensor parallel its kv heads)."""
+    process's float32 logits within 1e-5 (uncached, and a cached prefill in M chunks of tokens), its greedy
+    tokens, a batch of rows of different lengths (per-row positions, split into micro-batches), and the engine's 8
+    concurrent requests twice, the second round from the prefix cache (fewer tokens prefilled), whose forwards run
+    through the stages; each stage holds and caches only its layers (and under tensor parallel its kv heads)."""
     mp.spawn(run_rank, args=(world, stages, free_port(), tiny4_dir, str(tmp_path), micro), nprocs=world)
     ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(world)]
     for r in ranks:
         assert (r["logits"] - single["logits"]).abs().max() <= 1e-5
+        assert (r["cached"] - single["logits"]).abs().max() <= 1e-5 and r["chunks"] == micro
         assert r["tokens"] == single["tokens"]
         assert r["rows"] == single["rows"]
         assert r["cache_layers"] == r["layers"]

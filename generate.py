@@ -32,10 +32,10 @@ import dataclasses
 
 import torch
 
-from features import tp
-from cli import (add_device_flags, add_model_flags, chat_template_arg, check_generation_config, check_seed,
-                 check_text, generation_config, model_of, pick_device, pick_dtype, read_stdin, read_text_file,
-                 run_cli, set_threads, stdin_piped, version_line, weights_cache)
+from features import pp, tp
+from cli import (add_device_flags, add_model_flags, add_parallel_flags, chat_template_arg, check_generation_config,
+                 check_parallel_flags, check_seed, check_text, generation_config, model_of, pick_device, pick_dtype,
+                 read_stdin, read_text_file, run_cli, set_threads, stdin_piped, version_line, weights_cache)
 from decode import UNBOUNDED, Session, check_request, generate, generate_batch
 from features.chat import Output, chat, chat_tokens, load_tools, step_label
 from features.constraint import Constraint, check_constraint, json_schema_arg
@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"torch.compile the decode step; --compile alone is full. {COMPILE_HELP}")
     g.add_argument("--compile-prefill", action="store_true", help="--compile full, and the prefill too")
     g.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
+    add_parallel_flags(g)
     g.add_argument("--quantize", default=None, metavar="MODE", help="int8, int4[:GROUP] or none (default: as stored)")
     g.add_argument("--quantize-head", action="store_true", help="with --quantize: the LM head too")
     g.add_argument("--kv-cache-dtype", default="model", choices=["model", "int8"], help="KV cache storage")
@@ -218,6 +219,9 @@ def check_args(args: argparse.Namespace) -> Plan:
         check_speculation(args, params, constraint)
     if tp.launched() and args.interactive:
         raise ValueError("tensor parallel (torchrun) does not support --interactive")
+    check_parallel_flags(args)
+    if args.pipeline_parallel is not None:
+        pp.check_world(args.pipeline_parallel)
     model_of(args)  # -m and -hf: one of them, -hf a hub id
     check_generation_config(args.generation_config)
     if args.chat_template is not None and not args.chat:
@@ -362,7 +366,8 @@ def setup_summary(plan: Plan, args: argparse.Namespace, model: Transformer, shar
         setup = f" | weights {weight_bytes(model) / 1e6:.1f} MB"
     else:  # every rank's, gathered (rank 0 prints them)
         per_rank = " + ".join(f"{n / 1e6:.1f}" for n in tp.each_rank(weight_bytes(model)))
-        setup = f" | tensor parallel x{shard.world} | weights per rank {per_rank} MB"
+        setup = f" | tensor parallel x{shard.world}" if not isinstance(model, pp.Pipeline) else pp.summary(model)
+        setup += f" | weights per rank {per_rank} MB"
     setup += "" if label == "float" else " " + label
     setup += " | kv int8" if args.kv_cache_dtype == "int8" else ""
     setup += f" | kv window {args.cache_window} ({plan.window.sinks} sinks)" if plan.window is not None else ""
@@ -402,6 +407,30 @@ def make_draft(args: argparse.Namespace, model: Transformer, path: str, device: 
     return ModelDraft(draft.eval(), model, step)
 
 
+def load_for(args: argparse.Namespace, path: str, device: torch.device, dtype: torch.dtype, progress: bool,
+             shard: tp.Shard | None) -> Transformer:
+    """The model this process runs: the whole; under torchrun its tensor-parallel slice (tp.install), or with
+    --pipeline-parallel its stage (pp.split) of the whole or of its slice."""
+    stage, group = pp.place(shard, args.pipeline_parallel) if args.pipeline_parallel else (None, None)
+    # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
+    model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
+                          quantize_head=args.quantize_head, shard=shard if stage is None else stage.shard(),
+                          cache_dir=weights_cache(args.weights_cache))
+    if stage is not None:  # this rank's stage of the model (of its tensor-parallel slice), whole as loaded
+        model = pp.split(model, stage, args.micro_batches or args.pipeline_parallel)
+    if shard is not None and (stage is None or stage.tp_world > 1):
+        tp.install(model, group)
+    return model
+
+
+def report_bubble(model: Transformer, quiet: bool) -> None:
+    """Under pipeline parallel, every rank's clock, gathered (every rank calls it); rank 0 prints the bubble."""
+    if isinstance(model, pp.Pipeline):
+        bubble = model.report()
+        if not quiet:
+            print(bubble, file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> None:
     plan = check_args(args)
     set_threads(args.threads)
@@ -417,19 +446,16 @@ def run(args: argparse.Namespace) -> None:
     path = resolve_model_path(model_of(args), hub=args.hf_repo is not None)
     params, from_config = checkpoint_sampling(plan, args, path)
     tokenizer, tools, system, prompts = tokenize(args, path, texts, plan.chat_template)
-    # Quantizing while loading (tensor by tensor) keeps the full-precision model out of memory.
-    model, _ = load_model(path, device, dtype, progress=progress, quantize=args.quantize,
-                          quantize_head=args.quantize_head, shard=shard, cache_dir=weights_cache(args.weights_cache))
+    model = load_for(args, path, device, dtype, progress, shard)
     context, what = context_of(plan, args, model)
     for prompt in prompts:
         check_request(prompt, 1, context, what)
     seed = args.seed if args.seed is not None else torch.Generator().seed()  # leaves torch's global RNG alone
     generator = torch.Generator(device=device).manual_seed(seed if shard is None else tp.same_seed(seed, device))
-    if shard is not None:
-        tp.install(model)
     # auto compiles where it pays: an answer long enough, or a chat once its answers have decoded as many
     n_new = None if args.interactive else new_tokens(args.max_new_tokens, max(map(len, prompts)), context, what)
-    step = Step(model, args.compile, args.compile_prefill, args.deterministic, n_new, pay_as_you_go=args.interactive)
+    step = Step(model, "none" if args.pipeline_parallel else args.compile, args.compile_prefill, args.deterministic,
+                n_new, pay_as_you_go=args.interactive)
     constraint = plan.constraint if tools is None else tools.constraint_with(plan.constraint) or plan.constraint
     grammar = None if constraint is None else Compiler(tokenizer, model.args.vocab_size).compile(constraint)
     grammar = grammar if tools is None or grammar is None else tools.grammar(grammar)  # a repeated call ends it
@@ -462,6 +488,7 @@ def run(args: argparse.Namespace) -> None:
         tokens = generate(prompt=prompts[0], max_new_tokens=n_new, kv_dtype=args.kv_cache_dtype, window=plan.window,
                           **run_one)
         out.report(out.reply(tokens, len(prompts[0]))[0], step.mode != "none")
+    report_bubble(model, args.quiet)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,9 +41,10 @@ import sys
 import threading
 import time
 
-from cli import (DTYPES, THREADS, THREADS_HELP, WEIGHTS_CACHE_HELP, Range, add_model_flags, chat_template_arg,
-                 check_generation_config, check_ranges, generation_config, model_of, pick_device, pick_dtype, run_cli,
-                 set_threads, version_line, weights_cache)
+from cli import (DTYPES, THREADS, THREADS_HELP, WEIGHTS_CACHE_HELP, Range, add_model_flags, add_parallel_flags,
+                 chat_template_arg, check_generation_config, check_parallel_flags, check_ranges, generation_config,
+                 model_of, pick_device, pick_dtype, run_cli, set_threads, version_line, weights_cache)
+from features import pp, tp
 from features.embed import POOLINGS
 from features.reasoning import PARSERS
 from features.sinks import SinkWindow
@@ -51,6 +52,7 @@ from features.toolcalls import FORMATS
 from serving.app import make_app
 from serving.engine import Engine, EngineConfig
 from serving.gate import BACKLOG, LOCAL_HOSTS, Connections, GuardedH11Protocol, ServeConfig, use_file_descriptors
+from kvcache import BlockPool
 from step import COMPILE_HELP, COMPILE_MODES, DETERMINISTIC_HELP, Step, check_deterministic
 
 API_KEY_ENV = "TINYLLM_API_KEY"  # --api-key's default
@@ -65,7 +67,8 @@ RANGES = {"max_model_len": Range(0, 2**24), "port": Range(0, 65535), "block_size
           "num_blocks": Range(2, 2**24), "max_running": Range(1, 65536), "max_waiting": Range(1, 10**6),
           "token_budget": Range(1, 2**24), "cache_window": Range(1, 2**24), "sink_tokens": Range(0, 2**20),
           "max_body_bytes": Range(1, 2**31), "header_timeout": Range(0, 86400, above=True),
-          "max_connections": Range(1, 10**6), "shutdown_timeout": Range(0, 86400), "threads": THREADS}
+          "max_connections": Range(1, 10**6), "shutdown_timeout": Range(0, 86400), "threads": THREADS,
+          "pipeline_parallel": Range(2, 2**16), "micro_batches": Range(1, 2**16)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "block measured no faster in the engine, and each new batch shape compiles during a request; "
                    f"dev/LOG.md). {COMPILE_HELP}")
     p.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
+    add_parallel_flags(p)
     p.add_argument("--block-size", type=int, default=defaults.block_size, help="positions per KV block")
     p.add_argument("--num-blocks", type=num_blocks_arg, default="auto",
                    help="KV blocks in the pool, block 0 (padding) included (default auto: one sequence of the "
@@ -180,6 +184,9 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--served-model-name (--alias) names must be non-empty")
     model_of(args)  # -m and -hf: one of them, -hf a hub id
     check_generation_config(args.generation_config)
+    check_parallel_flags(args)
+    if args.pipeline_parallel is not None:
+        pp.check_world(args.pipeline_parallel)
 
 
 def engine_config(args: argparse.Namespace, context: int) -> EngineConfig:
@@ -238,13 +245,50 @@ def sampling_line(sampling: dict[str, float | int], value: str) -> str:
 
 
 def make_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
-    """The engine serve.py runs: the flags' pool and limits, and its forwards as --compile says (step.Step)."""
-    context = min(model.args.max_seq_len, args.max_model_len or model.args.max_seq_len)
-    return Engine(model, tokenizer, engine_config(args, context),
-                  Step(model, args.compile, deterministic=args.deterministic))
+    """The engine serve.py runs: the flags' pool and limits, and its forwards as --compile says (step.Step); under
+    pipeline parallel (rank 0, the first stage) they go through the stages (pp.PipelineStep)."""
+    if args.pipeline_parallel is None:
+        return Engine(model, tokenizer, engine_config(args, context_of(args, model)),
+                      Step(model, args.compile, deterministic=args.deterministic))
+    step = pp.PipelineStep(Step(model, "none", deterministic=args.deterministic))
+    engine = Engine(model, tokenizer, engine_config(args, context_of(args, model)), step)
+    step.watch(engine.pool)
+    return engine
 
 
-def load(args: argparse.Namespace, device, dtype) -> tuple:
+def context_of(args: argparse.Namespace, model) -> int:
+    return min(model.args.max_seq_len, args.max_model_len or model.args.max_seq_len)
+
+
+def stage_of(args: argparse.Namespace, model, stage: pp.Stage, group) -> tuple[pp.Pipeline, str]:
+    """This rank's pipeline stage of the loaded model (its tensor-parallel slice over group, if any), its logits
+    for rank 0; and the startup line's part that says so (every rank computes it: a collective)."""
+    pipe = pp.split(model, stage, args.micro_batches or args.pipeline_parallel, to=0)
+    if stage.tp_world > 1:
+        tp.install(pipe, group)
+    return pipe, pp.summary(pipe)
+
+
+def stop_stages(engine: Engine, quiet: bool) -> None:
+    """Rank 0, exiting: the other ranks return from serve_stage, and every rank's clock gives the bubble."""
+    engine.decode_step.stop()
+    bubble = engine.model.report()
+    if not quiet:
+        print(bubble, file=sys.stderr)
+
+
+def serve_stage(args: argparse.Namespace, model: pp.Pipeline) -> None:
+    """A rank > 0 of a pipeline: its own pool, as large as the engine's, and the forwards rank 0 asks for until it
+    stops. A signal (torchrun passes one to every rank) drains rank 0, which then says stop."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    config, weight = engine_config(args, context_of(args, model)), model.embed_tokens.weight
+    pool = BlockPool.for_model(model.args, config.num_blocks, config.block_size, weight.dtype, weight.device)
+    pp.serve_stage(Step(model, "none", deterministic=args.deterministic), pool)
+    model.report()  # rank 0 prints every rank's
+
+
+def load(args: argparse.Namespace, device, dtype, shard=None) -> tuple:
     """(model, tokenizer, sampling defaults, served names) as the model flags say: -m or -hf, --chat-template
     in place of the model's, --generation-config's defaults (checked before the weights load)."""
     from load import load_model, resolve_model_path
@@ -255,7 +299,7 @@ def load(args: argparse.Namespace, device, dtype) -> tuple:
     path = resolve_model_path(model_path, hub=args.hf_repo is not None)
     sampling = generation_config(args.generation_config, path)
     model, path = load_model(path, device, dtype, progress=not args.quiet and sys.stderr.isatty(),
-                             quantize=args.quantize, cache_dir=weights_cache(args.weights_cache))
+                             quantize=args.quantize, shard=shard, cache_dir=weights_cache(args.weights_cache))
     tokenizer = load_tokenizer(path)
     if template is not None:
         tokenizer.chat_template = template
@@ -267,11 +311,18 @@ def run(args: argparse.Namespace) -> None:
 
     check_flags(args)
     set_threads(args.threads)
-    check_port(args.host, args.port)  # before the model loads
-    use_file_descriptors(args.max_connections)
-    device = pick_device(args.device)
+    device, whole = pick_device(args.device), tp.from_env() if args.pipeline_parallel else None
+    stage, group = pp.place(whole, args.pipeline_parallel) if whole is not None else (None, None)
+    if whole is not None:  # rank 0 serves; the other ranks compute its forwards' layers
+        device, args.quiet = tp.device_for(whole, device), args.quiet or whole.rank > 0
+    if whole is None or whole.rank == 0:
+        check_port(args.host, args.port)  # before the model loads
+        use_file_descriptors(args.max_connections)
     dtype, dtype_why = pick_dtype(args.dtype, device)
-    model, tokenizer, sampling, names = load(args, device, dtype)
+    model, tokenizer, sampling, names = load(args, device, dtype, None if stage is None else stage.shard())
+    model, parallel = (model, "") if stage is None else stage_of(args, model, stage, group)
+    if whole is not None and whole.rank > 0:
+        return serve_stage(args, model)
     engine = make_engine(args, model, tokenizer)
     config = engine.config
     serving = serve_config(args, sampling)
@@ -295,8 +346,8 @@ def run(args: argparse.Namespace) -> None:
         mode = engine.decode_step.mode
         runs = f"compiled: {mode}" if mode != "none" else "eager, deterministic" if args.deterministic else "eager"
         print(f"serving {names[0]} on http://{args.host}:{args.port} | {device.type} "
-              f"{str(dtype).removeprefix('torch.')} ({dtype_why}) | API key {'required' if args.api_key else 'off'} "
-              f"| {config} | {runs}", file=sys.stderr)
+              f"{str(dtype).removeprefix('torch.')} ({dtype_why}){parallel} | API key "
+              f"{'required' if args.api_key else 'off'} | {config} | {runs}", file=sys.stderr)
         if sampling:
             print(sampling_line(sampling, args.generation_config), file=sys.stderr)
     # The engine steps on the main thread and uvicorn serves from another: here, torch's OpenMP-parallel ops
@@ -304,6 +355,8 @@ def run(args: argparse.Namespace) -> None:
     try:
         stopped = server.run_engine()  # until drain() stops it, or it fails (it printed why; requests got it)
     finally:
+        if stage is not None:
+            stop_stages(engine, args.quiet)
         # Exiting: a later signal changes nothing. Python resets its handlers to the default late in its teardown
         # (seconds, with torch loaded), and a second Ctrl-C then killed the process (status -2, not 0).
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -27,6 +27,7 @@ splits above respect where they can (one head of dim 16 a rank cannot: a ValueEr
 CUDA, gloo on CPU; torchrun's RANK / WORLD_SIZE / LOCAL_RANK say who is who.
 """
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -214,34 +215,36 @@ class VocabShardEmbedding(nn.Embedding):
         return x if self.all_reduce is None else self.all_reduce(x)
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum x over the ranks: the partial products of a row-parallel layer. A functional collective, so
-    torch.compile traces it into the graph."""
+def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum x over the ranks (of group, default all): the partial products of a row-parallel layer. A functional
+    collective, so torch.compile traces it into the graph."""
     import torch.distributed._functional_collectives as funcol
 
-    return funcol.all_reduce(x, "sum", dist.group.WORLD)
+    return funcol.all_reduce(x, "sum", group or dist.group.WORLD)
 
 
-def gather_vocab(x: torch.Tensor, vocab: int, world: int) -> torch.Tensor:
+def gather_vocab(x: torch.Tensor, vocab: int, world: int, group=None) -> torch.Tensor:
     """Each rank's logits (..., rows) side by side: (..., vocab). Every rank sends ceil(vocab/world) columns (the
     last rank's padded), so one all-gather of equal parts does."""
     import torch.distributed._functional_collectives as funcol
 
     chunk = -(-vocab // world)
     rows = F.pad(x, (0, chunk - x.shape[-1])).reshape(-1, chunk)  # (M, chunk)
-    parts = funcol.all_gather_single(rows.contiguous(), 0, dist.group.WORLD)  # (world * M, chunk)
+    parts = funcol.all_gather_single(rows.contiguous(), 0, group or dist.group.WORLD)  # (world * M, chunk)
     whole = parts.view(world, -1, chunk).transpose(0, 1).reshape(*x.shape[:-1], world * chunk)  # (..., world*chunk)
     return whole[..., :vocab]
 
 
-def install(model: Transformer) -> None:
+def install(model: Transformer, group=None) -> None:
     """Make each block all-reduce its attention and MLP outputs (the row-parallel layers' partial sums), the
-    embedding its rows, and the head gather every rank's logits."""
+    embedding its rows, and the head gather every rank's logits; over the ranks of group (default all: a pipeline
+    stage's are its own, features/pp.py)."""
+    reduce = all_reduce if group is None else functools.partial(all_reduce, group=group)
     for layer in model.layers:
-        layer.all_reduce = all_reduce
-    model.embed_tokens.all_reduce = all_reduce
-    vocab, world = model.args.vocab_size, dist.get_world_size()
-    model.lm_head.register_forward_hook(lambda module, inputs, out: gather_vocab(out, vocab, world))
+        layer.all_reduce = reduce
+    model.embed_tokens.all_reduce = reduce
+    vocab, world = model.args.vocab_size, dist.get_world_size(group)
+    model.lm_head.register_forward_hook(lambda module, inputs, out: gather_vocab(out, vocab, world, group))
 
 
 def each_rank(value: int) -> list[int]:

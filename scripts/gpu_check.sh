@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check, one prepared script: the CUDA tests, then bench.py on random weights of published shapes
-# (no download): Llama-2-7B batch-1 decode compiled with CUDA graphs in bf16 (and where its step's time goes:
-# --profile), int4 and int8, a 2048-token bf16 prefill against the measured matmul peak, Llama-3-8B (GQA,
-# untied 128k head) in bf16, and the serving engine decoding 1, 16, 64 and 256 sequences together (CUDA graphs
-# per batch bucket). It ends with one table of every run (bench.py --table). Each step has its own time limit,
-# so one slow step cannot take the rest with it; the limits add up to under the device's 10-minute call.
+# The GPU check, one prepared script: the CUDA tests (on two GPUs or more also the NCCL tests of tensor and
+# pipeline parallel), then bench.py on random weights of published shapes (no download): Llama-2-7B batch-1
+# decode compiled with CUDA graphs in bf16 (and where its step's time goes: --profile), int4 and int8, a
+# 2048-token bf16 prefill against the measured matmul peak, Llama-3-8B (GQA, untied 128k head) in bf16, and the
+# serving engine decoding 1, 16, 64 and 256 sequences together (CUDA graphs per batch bucket). It ends with one
+# table of every run (bench.py --table). Each step has its own time limit, so one slow step cannot take the rest
+# with it; the limits add up to under the device's 10-minute call.
 #   bash scripts/gpu_check.sh [OUT_DIR]      (needs a CUDA GPU with ~40 GB free; about 8 minutes on an H200)
 #   bash scripts/gpu_check.sh --wheels       (first, on a machine where pip reaches the registry: into .whl/, git-ignored,
 #                                     the packages a GPU machine's image may lack; carry .whl to it and this
@@ -40,6 +41,9 @@ step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 step 100 python3 -m pytest -q --maxfail=5 -p no:cacheprovider tests/test_cuda.py
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then  # NCCL: tensor and pipeline parallel
+    step 120 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py tests/test_pp.py -k nccl
+fi
 bench="python3 -m scripts.bench --device cuda --dtype bfloat16 --runs 3 --quiet"
 step 80 $bench --shape llama-2-7b --compile --profile --json "$out/llama2_bf16.json"
 step 75 $bench --shape llama-2-7b --compile --quantize int4 --json "$out/llama2_int4.json"

@@ -1,6 +1,7 @@
 """Plain helpers shared by the test files (fixtures are in conftest.py): the repository root, running a script
 in a fresh Python process, its peak memory, a toy tokenizer whose text shows every token and a toy byte-level BPE
-one for grammars, an API answer's stream of pieces."""
+one for grammars, an API answer's stream of pieces, a distributed
+rank's device."""
 import os
 import subprocess
 import sys
@@ -88,3 +89,16 @@ def stream_pieces(answer, pieces: list[str]) -> list[str]:
         last = k == len(pieces) - 1
         lines += answer.add(0, Event(0, piece, [k], last, "eos" if last else None, 9, k + 1, 0))
     return lines
+
+
+def rank_device(rank: int, device: str) -> str:
+    """A rank's device ("cpu", or its own GPU: cuda:RANK) once its process group is up (gloo, or NCCL on CUDA)."""
+    import torch
+    import torch.distributed as dist
+
+    if device == "cpu":
+        dist.init_process_group("gloo")
+        return device
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    return f"cuda:{rank}"

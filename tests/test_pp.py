@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import generate as generate_cli
 from decode import generate_batch
 from features import pp, tp
-from helpers import ROOT, ToyTokenizer, run_py
+from helpers import ROOT, ToyTokenizer, rank_device, run_py
 from kvcache import BlockPool, Int8LayerKVCache, KVCache, PagedKVCache
 from load import load_model
 from model import ModelArgs
@@ -52,28 +52,29 @@ def run_engine(engine) -> list:
     return [[(c.tokens, c.prefilled) for c in engine.generate(engine_prompts(), max_new_tokens=10)] for _ in range(2)]
 
 
-def run_rank(rank: int, world: int, stages: int, port: int, model_dir: str, out_dir: str, micro: int) -> None:
+def run_rank(rank: int, world: int, stages: int, port: int, model_dir: str, out_dir: str, micro: int,
+             device: str = "cpu") -> None:
     """One rank of a stage: the all-position logits of PROMPT, a greedy continuation, a batch of rows of different
     lengths, and the engine (rank 0; the other ranks run serve_stage), saved for the parent."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = rank_device(rank, device)
     try:
         stage, group = pp.place(tp.Shard(rank, world), stages)
-        model, _ = load_model(model_dir, "cpu", torch.float32, shard=stage.shard())
+        model, _ = load_model(model_dir, device, torch.float32, shard=stage.shard())
         if group is not None:  # once: both pipelines below share the model's modules
             tp.install(model, group)
         pipe = pp.split(model, stage, micro)
         step = Step(pipe)
         with torch.inference_mode():
-            logits = pipe(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), all_logits=True)[0]
-            cache = KVCache.for_model(pipe.args, 1, 16, torch.float32, "cpu")  # the prompt in micro-batches of tokens
-            prompt, pos = torch.tensor([PROMPT]), torch.arange(len(PROMPT))
+            prompt, pos = torch.tensor([PROMPT], device=device), torch.arange(len(PROMPT), device=device)
+            logits = pipe(prompt, pos, all_logits=True)[0]
+            cache = KVCache.for_model(pipe.args, 1, 16, torch.float32, device)  # the prompt in micro-batches of tokens
             cached = step(prompt, pos, cache, all_logits=True, prefill=True)
-            out = {"logits": logits, "cached": cached[0], "chunks": len(pipe.parts(prompt, pos, cache)),
+            out = {"logits": logits.cpu(), "cached": cached[0].cpu(), "chunks": len(pipe.parts(prompt, pos, cache)),
                    "tokens": greedy_ids(pipe, PROMPT, N_NEW, step=step), "rows": batch_tokens(pipe, step),
                    "layers": len(pipe.layers), "first": pipe.first_layer,
-                   "cache_layers": len(KVCache.for_model(pipe.args, 1, 8, torch.float32, "cpu").layers),
+                   "cache_layers": len(KVCache.for_model(pipe.args, 1, 8, torch.float32, device).layers),
                    "kv_heads": pipe.args.n_kv_heads}
         engine_pipe = pp.split(model, stage, micro, to=0)
         engine_step = pp.PipelineStep(Step(engine_pipe)) if rank == 0 else Step(engine_pipe)
@@ -84,7 +85,7 @@ def run_rank(rank: int, world: int, stages: int, port: int, model_dir: str, out_
             engine_step.stop()
         else:
             pp.serve_stage(engine_step, BlockPool.for_model(engine_pipe.args, ENGINE.num_blocks, ENGINE.block_size,
-                                                            torch.float32, "cpu"))
+                                                            torch.float32, device))
         out["report"] = pipe.report()
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -135,6 +136,18 @@ def test_stages_give_one_process_logits_tokens_and_engine(tiny4_dir, single, tmp
     assert firsts == [sum(r["layers"] for r in ranks[:i * world // stages:world // stages]) for i in range(stages)]
     assert sum(r["layers"] for r in ranks[::world // stages]) == 4
     assert f"pipeline x{stages}: bubble" in ranks[0]["report"] and f"x {min(micro, len(ROWS))}" in ranks[0]["report"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (scripts/gpu_check.sh runs it)")
+def test_stages_over_nccl_give_one_process_tokens(tiny4_dir, single, tmp_path):
+    """2 stages on two GPUs, the hidden states sent point to point over NCCL: one (CPU) process's logits within
+    1e-4, its greedy tokens, batch rows and engine completions."""
+    mp.spawn(run_rank, args=(2, 2, free_port(), tiny4_dir, str(tmp_path), 2, "cuda"), nprocs=2)
+    ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(2)]
+    for r in ranks:
+        assert (r["logits"] - single["logits"]).abs().max() <= 1e-4
+        assert r["tokens"] == single["tokens"] and r["rows"] == single["rows"]
+    assert ranks[0]["engine"] == single["engine"]
 
 
 def test_layers_are_balanced_with_the_head_on_the_last_stage():

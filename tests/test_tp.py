@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 import quantize as q
 from features import tp
 from formats.checkpoint import checkpoint_modules, checkpoint_shapes
-from helpers import run_py
+from helpers import rank_device, run_py
 from load import load_model
 from model import ModelArgs
 from tiny_models import greedy_ids, write_llama_gguf
@@ -28,27 +28,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, quantize: str | None) -> None:
+def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, quantize: str | None,
+             device: str = "cpu") -> None:
     """One rank: load its shard, then all-logits of PROMPT and a greedy continuation, saved for the parent."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = rank_device(rank, device)
     try:
-        model, _ = load_model(model_dir, "cpu", torch.float32, quantize=quantize, shard=tp.Shard(rank, world))
+        model, _ = load_model(model_dir, device, torch.float32, quantize=quantize, shard=tp.Shard(rank, world))
         tp.install(model)
         with torch.no_grad():
-            logits = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), all_logits=True)[0]
+            logits = model(torch.tensor([PROMPT], device=device), torch.arange(len(PROMPT), device=device),
+                           all_logits=True)[0]
             tokens = greedy_ids(model, PROMPT, N_NEW)
         local_shapes = checkpoint_shapes(model)  # under the checkpoint's names: q/k/v apart
-        torch.save({"logits": logits, "tokens": tokens, "shapes": local_shapes, "label": q.describe(model),
+        torch.save({"logits": logits.cpu(), "tokens": tokens, "shapes": local_shapes, "label": q.describe(model),
                     "bytes": q.weight_bytes(model)}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.barrier()  # no rank tears gloo down while a peer still talks to it (a rare SIGABRT in CI)
         dist.destroy_process_group()
 
 
-def run_tp(world: int, model_dir: str, out_dir: str, quantize: str | None = None) -> list[dict]:
-    mp.spawn(run_rank, args=(world, free_port(), model_dir, out_dir, quantize), nprocs=world)
+def run_tp(world: int, model_dir: str, out_dir: str, quantize: str | None = None, device: str = "cpu") -> list[dict]:
+    mp.spawn(run_rank, args=(world, free_port(), model_dir, out_dir, quantize, device), nprocs=world)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
@@ -106,6 +108,15 @@ def test_tp_logits_and_greedy_match_one_process(tiny_dir, single, tmp_path, worl
     assert shapes["layers.0.self_attn.k_proj.weight"] == (max(2 // world, 1) * 24, 64)
     assert shapes["layers.0.self_attn.o_proj.weight"] == (64, 4 // world * 24)
     assert shapes["layers.0.mlp.down_proj.weight"] == (64, 112 // world)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (scripts/gpu_check.sh runs it)")
+def test_tp_over_nccl_matches_one_process(tiny_dir, single, tmp_path):
+    """The same split on two GPUs, all-reduces and the vocabulary's all-gather over NCCL."""
+    _, logits, tokens = single
+    for r in run_tp(2, tiny_dir, str(tmp_path), device="cuda"):
+        assert (r["logits"] - logits).abs().max() <= 1e-4
+        assert r["tokens"] == tokens
 
 
 @pytest.mark.slow

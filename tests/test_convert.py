@@ -25,7 +25,7 @@ from formats.checkpoint import checkpoint_state, load_state
 from load import load_model
 from model import Transformer
 from models.families import build_model
-from tiny_models import SEQ_LEN, make_hf, write_mxfp4_pair
+from tiny_models import HARMONY_TOKENS, SEQ_LEN, harmony_template, make_hf, write_mxfp4_pair
 
 
 def converter() -> str | None:
@@ -260,11 +260,23 @@ def test_gpt_oss_mxfp4_folder_and_file(tmp_path):
     """gpt-oss as released: experts in MXFP4 (*_blocks / *_scales, quant_method mxfp4). The folder, and the file the
     converter makes of it (its experts of GGUF's MXFP4 type), load to the model of a float folder holding
     transformers' dequantization of those experts: the same logits, exactly."""
+    from tokenizer import load_tokenizer
+
     tok = smollm2_bpe()
+    template = harmony_template()
+    if template is not None:  # the harmony template and its special tokens, to check the file's tokenizer too
+        tok.add_special_tokens({"additional_special_tokens": list(HARMONY_TOKENS)})
+        tok.chat_template = template
     hf = make_hf("gpt-oss", intermediate_size=64, swiglu_limit=7.0, vocab_size=len(tok))  # blocks of 32 along F, C
     write_mxfp4_pair(hf, tmp_path, {"quant_method": "mxfp4"})
     tok.save_pretrained(tmp_path / "mxfp4")
     path = convert(tmp_path / "mxfp4", "f32")
+    if template is not None:  # the file's template renders as the folder's; its output ends at <|return|>, <|call|>
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        folder, file = load_tokenizer(str(tmp_path / "mxfp4")), load_tokenizer(path)
+        assert file.encode_chat(chat) == folder.encode_chat(chat)
+        ends = {file.backend.id_to_token(i) for i in file.eos_ids}
+        assert {"<|return|>", "<|call|>"} <= ends and "<|end|>" not in ends
     kinds = {t.name.split(".", 2)[2]: t.tensor_type.name for t in read_gguf(path, string_arrays=False)[1]
              if t.name.startswith("blk.0.")}
     assert kinds["ffn_gate_exps.weight"] == kinds["ffn_down_exps.weight"] == "MXFP4"

@@ -1,6 +1,8 @@
 """gpt-oss beyond the logits tests every tiny config gets in test_model.py (one forward, token by token, chunked,
 batched, against transformers): its checkpoint layout, the sinks against a direct computation, quantized experts
-with their biases, the paged engine, speculative decoding and what is refused."""
+with their biases, the paged engine, speculative decoding and what is refused; the harmony chat template rendered
+as transformers renders it (the template as released, from llama.cpp's sources: found as test_convert.py finds
+the converter, else those tests skip) and its answers split into reasoning and content."""
 import pytest
 import torch
 
@@ -9,7 +11,8 @@ from helpers import ToyTokenizer
 from load import load_model
 from model import attention_mask, written_attention
 from serving.engine import Engine, EngineConfig
-from tiny_models import SEQ_LEN, greedy_ids, greedy_uncached, hf_to_ours, make_hf, write_mxfp4_pair
+from tiny_models import (SEQ_LEN, greedy_ids, greedy_uncached, harmony_template, hf_to_ours, make_hf,
+                         write_harmony_tokenizer, write_mxfp4_pair)
 
 PROMPT = [5, 17, 42, 99, 3, 64, 8]
 
@@ -142,3 +145,66 @@ def test_mxfp4_folder_loads_as_its_dequantized_floats(tmp_path):
     decoded, _ = load_model(str(tmp_path / "mxfp4"), "cpu", torch.float32)
     assert torch.equal(decoded(tokens(24), torch.arange(24), all_logits=True),
                        floats(tokens(24), torch.arange(24), all_logits=True))
+
+
+HARMONY = harmony_template()
+needs_template = pytest.mark.skipif(HARMONY is None, reason="gpt-oss's template not found (LLAMA_CPP_CONVERT, or "
+                                    "$PEER's llama.cpp sources)")
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {
+        "type": "string", "enum": ["C", "F"]}}, "required": ["city"]}}}]
+CONVERSATIONS = [
+    ([{"role": "user", "content": "Hi there"}], None, {}),
+    ([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello"}], None,
+     {"reasoning_effort": "high"}),
+    ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "thinking": "Easy."},
+      {"role": "user", "content": "And 3+3?"}], None, {}),
+    ([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+      {"role": "assistant", "thinking": "Call the tool.", "tool_calls": [{"type": "function", "function": {
+          "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+      {"role": "tool", "content": "{\"temp\": 21}"}], WEATHER, {}),
+]
+
+
+@needs_template
+@pytest.mark.parametrize("case", range(len(CONVERSATIONS)))
+def test_harmony_template_renders_as_transformers(tmp_path, case):
+    """System, developer, reasoning effort, an earlier answer with its thinking (dropped), tools, a call and its
+    result: the same text as transformers' apply_chat_template, and the same ids."""
+    from transformers import AutoTokenizer
+
+    from tokenizer import load_tokenizer
+
+    write_harmony_tokenizer(tmp_path, HARMONY)
+    messages, tools, variables = CONVERSATIONS[case]
+    ours, theirs = load_tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
+    text = ours.apply_chat_template(messages, tools=tools, variables=variables)
+    assert text == theirs.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                              **variables)
+    assert text.endswith("<|start|>assistant") and "<|start|>system<|message|>" in text
+    assert ours.encode_chat(messages, tools=tools, variables=variables) == \
+        theirs.encode(text, add_special_tokens=False)
+
+
+@needs_template
+def test_a_harmony_answer_is_read_as_reasoning_then_content(tmp_path):
+    """The template's model: --reasoning-parser auto picks harmony; a chat answer streamed token by token (special
+    tokens whole, as the detokenizer gives them) carries the analysis as reasoning_content and the final as content,
+    and the next turn renders the answer alone."""
+    from features.reasoning import HARMONY as HARMONY_TAGS, Reader, ReasoningParser, tags_named
+    from tokenizer import load_tokenizer
+
+    write_harmony_tokenizer(tmp_path, HARMONY)
+    tok = load_tokenizer(str(tmp_path))
+    assert tags_named("auto", tok.chat_template) == HARMONY_TAGS
+    output = "<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant<|channel|>final<|message|>Hi!"
+    ids = tok.encode(output, bos=False)
+    reader, stream = Reader(ReasoningParser(HARMONY_TAGS)), tok.stream()
+    deltas = [d for i in ids for d in reader.feed(stream.push(i))] + reader.feed(stream.flush(), final=True)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user greets."
+    assert "".join(d.get("content", "") for d in deltas) == "Hi!"
+    assert reader.message() == {"role": "assistant", "content": "Hi!", "reasoning_content": "The user greets."}
+    turn = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": reader.content}]
+    assert tok.apply_chat_template(turn).endswith("<|start|>assistant<|channel|>final<|message|>Hi!<|end|>"
+                                                  "<|start|>assistant")

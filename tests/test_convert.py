@@ -259,7 +259,8 @@ def test_bpe_tokenizer_folder(tmp_path):
 def test_gpt_oss_mxfp4_folder_and_file(tmp_path):
     """gpt-oss as released: experts in MXFP4 (*_blocks / *_scales, quant_method mxfp4). The folder, and the file the
     converter makes of it (its experts of GGUF's MXFP4 type), load to the model of a float folder holding
-    transformers' dequantization of those experts: the same logits, exactly."""
+    transformers' dequantization of those experts: the same logits, exactly, the experts run as their codes
+    (default) or decoded once (quantize none). With the harmony template, the file's chat renders as the folder's."""
     from tokenizer import load_tokenizer
 
     tok = smollm2_bpe()
@@ -282,6 +283,10 @@ def test_gpt_oss_mxfp4_folder_and_file(tmp_path):
     assert kinds["ffn_gate_exps.weight"] == kinds["ffn_down_exps.weight"] == "MXFP4"
     toks = prompt_tokens()[:, :24]
     want = load_model(str(tmp_path / "float"), "cpu", torch.float32)[0](toks, torch.arange(24), all_logits=True)
+    from formats.mxfp4 import MXFP4Linear
+
     for source in (str(tmp_path / "mxfp4"), path):
-        got = load_model(source, "cpu", torch.float32)[0](toks, torch.arange(24), all_logits=True)
-        assert torch.equal(got, want), source
+        for quantize in (None, "none"):  # the experts as their codes, or decoded once
+            model = load_model(source, "cpu", torch.float32, quantize=quantize)[0]
+            assert any(isinstance(m, MXFP4Linear) for m in model.modules()) == (quantize is None)
+            assert torch.equal(model(toks, torch.arange(24), all_logits=True), want), (source, quantize)

@@ -136,15 +136,44 @@ def test_mxfp4_decodes_as_transformers():
     assert torch.equal(mxfp4.dequantize(blocks, scales).transpose(1, 2), want)
 
 
-def test_mxfp4_folder_loads_as_its_dequantized_floats(tmp_path):
-    """A folder whose experts are MXFP4 blocks and scales (as gpt-oss is released, quant_method mxfp4) loads to the
-    model of a float folder holding transformers' dequantization of them: the same logits."""
+def test_mxfp4_linear_decodes_every_byte_and_scale():
+    """MXFP4Linear's weight (decoded in bfloat16 for each product) equals dequantize's float32 one for every code
+    byte under every scale but 255 (E8M0's NaN), cast to float32, bfloat16 and float16 alike."""
+    from formats.mxfp4 import MXFP4Linear, dequantize
+
+    blocks = torch.arange(256, dtype=torch.uint8).view(16, 16)[None].expand(255, 16, 16).contiguous()  # (N, G, 16)
+    scales = torch.arange(255, dtype=torch.uint8)[:, None].expand(255, 16).contiguous()  # (N, G)
+    linear = MXFP4Linear(16 * 32, 255)
+    linear.blocks, linear.scales = torch.nn.Parameter(blocks, False), torch.nn.Parameter(scales, False)
+    want = dequantize(blocks, scales)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(linear.dequantize(dtype), want.to(dtype)), dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_folder_runs_as_stored_or_dequantized(tmp_path, dtype):
+    """A folder whose experts are MXFP4 blocks and scales (as gpt-oss is released, quant_method mxfp4) loads as its
+    codes (MXFP4Linear, decoded for each product) by default and as floats with --quantize none: both give the logits
+    of a float folder holding transformers' dequantization of them, bit for bit, in float32 and bfloat16, cached
+    decode steps too; the codes take 4.25 bits a weight."""
+    from formats.mxfp4 import MXFP4Linear
+    from quantize import weight_bytes
+
     hf = make_hf("gpt-oss", intermediate_size=64)  # MXFP4 blocks of 32 along F and C
     write_mxfp4_pair(hf, tmp_path, {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]})
-    floats, _ = load_model(str(tmp_path / "float"), "cpu", torch.float32)
-    decoded, _ = load_model(str(tmp_path / "mxfp4"), "cpu", torch.float32)
-    assert torch.equal(decoded(tokens(24), torch.arange(24), all_logits=True),
-                       floats(tokens(24), torch.arange(24), all_logits=True))
+    floats, _ = load_model(str(tmp_path / "float"), "cpu", dtype)
+    stored, _ = load_model(str(tmp_path / "mxfp4"), "cpu", dtype)
+    decoded, _ = load_model(str(tmp_path / "mxfp4"), "cpu", dtype, quantize="none")
+    experts = [m for m in stored.modules() if isinstance(m, MXFP4Linear)]
+    assert len(experts) == 2 * 3 * 8 and not any(isinstance(m, MXFP4Linear) for m in decoded.modules())
+    want = floats(tokens(24), torch.arange(24), all_logits=True)
+    for model in (stored, decoded):
+        assert torch.equal(model(tokens(24), torch.arange(24), all_logits=True), want)
+    assert greedy_ids(stored, PROMPT, 8) == greedy_ids(floats, PROMPT, 8)
+    weights = sum(m.in_features * m.out_features for m in experts)
+    assert sum(m.blocks.nbytes + m.scales.nbytes for m in experts) * 8 == weights * 4.25
+    saved = weights * dtype.itemsize - weights * 17 // 32  # the expert matrices' bytes less their codes'
+    assert weight_bytes(decoded) - weight_bytes(stored) == saved
 
 
 HARMONY = harmony_template()

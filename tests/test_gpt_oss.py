@@ -11,8 +11,8 @@ from helpers import ToyTokenizer
 from load import load_model
 from model import attention_mask, written_attention
 from serving.engine import Engine, EngineConfig
-from tiny_models import (SEQ_LEN, greedy_ids, greedy_uncached, harmony_template, hf_to_ours, make_hf,
-                         write_harmony_tokenizer, write_mxfp4_pair)
+from tiny_models import (SEQ_LEN, compiled_against_eager, dense_twin, greedy_ids, greedy_uncached, harmony_template,
+                         hf_to_ours, make_hf, write_harmony_tokenizer, write_mxfp4_pair)
 
 PROMPT = [5, 17, 42, 99, 3, 64, 8]
 
@@ -237,3 +237,18 @@ def test_a_harmony_answer_is_read_as_reasoning_then_content(tmp_path):
     turn = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": reader.content}]
     assert tok.apply_chat_template(turn).endswith("<|start|>assistant<|channel|>final<|message|>Hi!<|end|>"
                                                   "<|start|>assistant")
+
+
+@pytest.mark.slow
+def test_compiled_sinks_equal_eager_and_moe_is_refused(hf):
+    """--compile blocks and full run the learned sinks (written_attention's extra column, the windows) as eager
+    does, within 1e-5, on a dense twin of the tiny model; the MoE model itself is refused in one line."""
+    from step import Step
+
+    model = hf_to_ours(hf)
+    twin = dense_twin(model)
+    assert twin.args.attn_sinks and twin.args.sliding_layers
+    assert max(compiled_against_eager(twin, [7, 8, 9], 12).values()) <= 1e-5
+    for mode in ("blocks", "full"):
+        with pytest.raises(ValueError, match="^--compile does not support mixture-of-experts models"):
+            Step(model, mode)

@@ -328,3 +328,41 @@ def write_harmony_tokenizer(folder, template: str) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|startoftext|>", "eos_token": "<|return|>",
         "pad_token": "<|endoftext|>", "chat_template": template}))
+
+
+def dense_twin(model: Transformer, seed: int = 0) -> Transformer:
+    """A random model of `model`'s family with every MoE layer a dense MLP (n_experts None): its attention (MLA,
+    learned sinks) as the family has it, in a model --compile takes."""
+    import dataclasses
+
+    from models.families import build_model
+
+    args = dataclasses.replace(model.args, n_experts=None, dense_layers=(), n_shared_experts=0)
+    torch.manual_seed(seed)
+    twin = build_model(args).eval().requires_grad_(False)
+    for p in twin.parameters():
+        p.data.normal_(0, 0.05)
+    twin.reset_rope("cpu")
+    return twin
+
+
+def compiled_against_eager(model: Transformer, prompt: list[int], n: int) -> dict[str, float]:
+    """{mode: the largest logit difference of n greedy cached steps (after the prompt's prefill) run by a compiled
+    Step against an eager one}, for modes blocks and full."""
+    import torch._dynamo
+
+    from kvcache import KVCache
+    from step import Step
+
+    def steps(step: Step) -> torch.Tensor:
+        cache = KVCache.for_model(model.args, 1, len(prompt) + n, torch.float32, "cpu")
+        logits = step(torch.tensor([prompt]), torch.arange(len(prompt)), cache)
+        out = [logits]
+        for pos in range(len(prompt), len(prompt) + n):
+            logits = step(logits.argmax(-1, keepdim=True), torch.tensor([pos]), cache)
+            out.append(logits)
+        return torch.stack(out)
+
+    torch._dynamo.reset()
+    eager = steps(Step(model))
+    return {mode: (steps(Step(model, mode)) - eager).abs().max().item() for mode in ("blocks", "full")}

@@ -252,3 +252,21 @@ def test_compiled_sinks_equal_eager_and_moe_is_refused(hf):
     for mode in ("blocks", "full"):
         with pytest.raises(ValueError, match="^--compile does not support mixture-of-experts models"):
             Step(model, mode)
+
+
+def test_published_shape_in_the_kv_table(capsys):
+    """bench.py's gpt-oss-20b: 20.9 B parameters as published; its KV cache 24 layers x 8 kv heads x (64 + 64) x 2
+    bytes a token, and half of it per 32k sequence (plus 128 tokens of each sliding layer) where windows are kept to
+    their length."""
+    from scripts import bench
+
+    shape = bench.SHAPES["gpt-oss-20b"]
+    assert round(bench.param_count(shape) / 1e9, 1) == 20.9
+    assert bench.main(["--kv-table", "--context", "32768"]) == 0
+    out = capsys.readouterr().out.splitlines()[2:]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:6]] for r in out}
+    token = 24 * 8 * 128 * 2
+    windowed = 12 * 8 * 128 * 2 * (32768 + 128)
+    assert rows["gpt-oss-20b"] == ["GQA, half sliding (128)", f"{token / 1024:g}", f"{token * 32768 / 2**30:.3g}",
+                                   f"{windowed / 2**30:.3g}"]
+    assert rows["llama-3-8b"][2] == rows["llama-3-8b"][3] == "4"  # no windows: the same

@@ -210,7 +210,8 @@ def step_weight_bytes(model, batch_size: int) -> float:
     if args.n_experts is None:
         return weight_bytes(model) - unread
     E, k = args.n_experts, args.n_experts_per_token
-    one_expert = sum(weight_bytes(layer.mlp.experts[0]) for layer in model.layers)  # one expert of every layer
+    # one expert of every MoE layer (DeepSeek's first layers are dense)
+    one_expert = sum(weight_bytes(layer.mlp.experts[0]) for layer in model.layers if hasattr(layer.mlp, "experts"))
     return weight_bytes(model) - unread - (E - E * (1 - (1 - k / E) ** batch_size)) * one_expert
 
 

@@ -270,3 +270,16 @@ def test_published_shape_in_the_kv_table(capsys):
     assert rows["gpt-oss-20b"] == ["GQA, half sliding (128)", f"{token / 1024:g}", f"{token * 32768 / 2**30:.3g}",
                                    f"{windowed / 2**30:.3g}"]
     assert rows["llama-3-8b"][2] == rows["llama-3-8b"][3] == "4"  # no windows: the same
+
+
+def test_a_harmony_gguf_vocabulary_ends_at_return_and_call():
+    """A GGUF's turn ends (<|end|> among them) are ends of the output, but with harmony's <|return|> and <|call|>
+    in the vocabulary <|end|> ends a message, not the answer: the output ends at those two (llama.cpp's rule)."""
+    from helpers import toy_bpe
+
+    specials = ("<|start|>", "<|channel|>", "<|message|>", "<|return|>", "<|call|>")
+    for eos in (107, 0):  # <|return|>, as the converter writes gpt-oss's eos; <|end|>, dropped all the same
+        tok = toy_bpe(specials, eos_token_id=eos)
+        assert sorted(tok.backend.id_to_token(i) for i in tok.eos_ids) == ["<|call|>", "<|return|>"]
+    plain = toy_bpe(specials[:3])  # no harmony ends: <|end|> (id 0, the file's eos) ends the output
+    assert plain.eos_ids == [0]

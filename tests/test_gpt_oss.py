@@ -157,7 +157,7 @@ def test_mxfp4_folder_runs_as_stored_or_dequantized(tmp_path, dtype):
     of a float folder holding transformers' dequantization of them, bit for bit, in float32 and bfloat16, cached
     decode steps too; the codes take 4.25 bits a weight."""
     from formats.mxfp4 import MXFP4Linear
-    from quantize import weight_bytes
+    from quantize import describe, weight_bytes
 
     hf = make_hf("gpt-oss", intermediate_size=64)  # MXFP4 blocks of 32 along F and C
     write_mxfp4_pair(hf, tmp_path, {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]})
@@ -165,6 +165,7 @@ def test_mxfp4_folder_runs_as_stored_or_dequantized(tmp_path, dtype):
     stored, _ = load_model(str(tmp_path / "mxfp4"), "cpu", dtype)
     decoded, _ = load_model(str(tmp_path / "mxfp4"), "cpu", dtype, quantize="none")
     experts = [m for m in stored.modules() if isinstance(m, MXFP4Linear)]
+    assert describe(stored) == "mxfp4 x48 + float x6" and describe(decoded) == "float"  # the summary line's
     assert len(experts) == 2 * 3 * 8 and not any(isinstance(m, MXFP4Linear) for m in decoded.modules())
     want = floats(tokens(24), torch.arange(24), all_logits=True)
     for model in (stored, decoded):

@@ -52,8 +52,8 @@ def pair_table(dtype: torch.dtype, device=None) -> torch.Tensor:
 
 class MXFP4Linear(Parts, nn.Module):
     """y = x @ W^T (+ bias) with W kept as the checkpoint's MXFP4 codes: blocks (N, G, 16) and scales (N, G) bytes,
-    4.25 bits a weight. Each product decodes W whole into x's dtype (two table lookups, one multiply: the values
-    dequantize gives, exactly) and runs F.linear on it, so the output is the dequantized-once model's, bit for bit.
+    4.25 bits a weight. Each product decodes W whole into x's dtype (one table gather: the values dequantize
+    gives, exactly) and runs F.linear on it, so the output is the dequantized-once model's, bit for bit.
     The codes are uint8 Parameters: the model's weight bytes count them. `parts`: gate | up rows, as Linear's."""
     ROW_DIMS: dict[str, int] = {}
 

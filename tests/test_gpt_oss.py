@@ -137,8 +137,8 @@ def test_mxfp4_decodes_as_transformers():
 
 
 def test_mxfp4_linear_decodes_every_byte_and_scale():
-    """MXFP4Linear's weight (decoded in bfloat16 for each product) equals dequantize's float32 one for every code
-    byte under every scale but 255 (E8M0's NaN), cast to float32, bfloat16 and float16 alike."""
+    """MXFP4Linear's weight (decoded for each product from its pair table) equals dequantize's float32 one for every
+    code byte under every scale but 255 (E8M0's NaN), cast to float32, bfloat16 and float16 alike."""
     from formats.mxfp4 import MXFP4Linear, dequantize
 
     blocks = torch.arange(256, dtype=torch.uint8).view(16, 16)[None].expand(255, 16, 16).contiguous()  # (N, G, 16)

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from formats import gguffile
 from formats import hffolder
 from formats import hfquant
+from formats import mxfp4
 from formats import weightcache
 from formats.checkpoint import Filler, check_tensors, checkpoint_shapes, checkpoint_state
 from config import ModelArgs
@@ -219,9 +220,16 @@ def load_hf_folder(path: str, device, dtype: torch.dtype, progress: bool, reques
     filler = Filler(model, device, dtype, path)
     if saved is None and request.mode is not None:  # quantized as each float weight is read
         swap_linears(model, request.mode, request.head)
+    # gpt-oss's MXFP4 experts: kept as their codes unless a --quantize asks for floats (none) or other codes
+    as_mxfp4 = request.as_stored and any(v[3] is not None and v[3][0] == "mxfp4" for v in found.values())
+    if as_mxfp4:
+        mxfp4.swap_experts(model)
 
     for name, (file, key, _, pick, _) in tqdm(found.items(), desc="loading", disable=not progress, unit="tensor"):
         try:
+            if as_mxfp4 and pick is not None and pick[0] == "mxfp4":
+                filler.put_mxfp4(name, *mxfp4.expert_codes(handles[file], key, pick))
+                continue
             t = hffolder.read_tensor(handles[file], key, pick, name, shard, full_args)
         except Exception as e:
             raise ValueError(f"cannot read tensor {key!r} from {file!r}: {e}") from None
@@ -267,6 +275,7 @@ class GGUFRoutes:
     q8_0_head: str | None  # the tensor whose Q8_0 codes the head runs as (Int8GroupLinear), or None
     permuted_qk: bool  # q/k rows in llama.cpp's interleaved RoPE order (gguffile.PERMUTED_QK)
     shard: object = None
+    mxfp4: bool = False  # gpt-oss's experts, all MXFP4 in the file, kept as their codes (formats/mxfp4.py)
 
     @classmethod
     def decide(cls, tensors: dict, slots: dict[str, tuple[str, int]], args: ModelArgs, arch: str, request: Quantization,
@@ -290,7 +299,9 @@ class GGUFRoutes:
         # matrix of a small model, read every step in 1.25 bytes a weight instead of bf16's 2.
         head = "lm_head.weight" if "lm_head.weight" in tensors else "embed_tokens.weight"  # tied: the embedding
         q8_0 = request.as_stored and tensors[head].tensor_type.name == "Q8_0"  # a shard's: its vocabulary rows
-        return cls(args, codes, head if q8_0 else None, arch in gguffile.PERMUTED_QK, shard)
+        experts = [t.tensor_type.name for n, t in tensors.items() if ".experts." in n and n.endswith("proj.weight")]
+        mxfp4 = request.as_stored and bool(experts) and set(experts) == {"MXFP4"}
+        return cls(args, codes, head if q8_0 else None, arch in gguffile.PERMUTED_QK, shard, mxfp4)
 
     def swap_modules(self, model: Transformer, request: Quantization) -> None:
         """Swap in the modules this load builds (after the Filler took the file's float names)."""
@@ -302,6 +313,8 @@ class GGUFRoutes:
                 model.set_submodule(name, make_quantized_linear("int4", 32, linear, model.norm.weight.dtype))
         if self.q8_0_head:  # a tied embedding keeps its dequantized copy for the lookup
             model.lm_head = Int8GroupLinear(model.args.dim, model.lm_head.out_features, device="meta")
+        if self.mxfp4:
+            mxfp4.swap_experts(model)
 
     def takes_codes(self, name: str, slots: dict[str, tuple[str, int]]) -> bool:
         """Whether checkpoint tensor `name` loads as the file's int4 codes (slots: Filler.slots)."""
@@ -315,6 +328,9 @@ class GGUFRoutes:
             filler.put_head_codes(name, *gguffile.q8_0_blocks(t, shape))
             if name == "lm_head.weight":
                 return  # untied; a tied head's matrix is also the embedding, dequantized below
+        if self.mxfp4 and t.tensor_type.name == "MXFP4":
+            filler.put_mxfp4(name, *gguffile.mxfp4_blocks(t, shape))
+            return
         heads = shape[0] // self.args.head_dim  # whole heads (a shard's too), each permuted on its own
         qk = self.permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight"))
         if self.takes_codes(name, filler.slots):

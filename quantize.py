@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops import gemv
+from formats.mxfp4 import MXFP4Linear
 from formats.parts import Parts
 from ops.qkernels import (KERNEL_DTYPE, ROW_BLOCK, int4_kernel, int4_mm, int8_kernel, layout_codes, pack_int4,
                           to_layout, unpack_int4)
@@ -459,9 +460,9 @@ def describe(model: nn.Module) -> str:
     q = quantization_of(model)
     kinds: dict[str, int] = {}  # each block linear's kind -> how many
     for name, m in model.named_modules():
-        if name.startswith("layers.") and isinstance(m, (nn.Linear, Int8Linear, Int4Linear)):
+        if name.startswith("layers.") and isinstance(m, (nn.Linear, Int8Linear, Int4Linear, MXFP4Linear)):
             kind = f"int4:{m.group_size}" if isinstance(m, Int4Linear) else "int8" if isinstance(m, Int8Linear) \
-                else "float"
+                else "mxfp4" if isinstance(m, MXFP4Linear) else "float"  # gpt-oss's experts as stored
             kinds[kind] = kinds.get(kind, 0) + 1
     blocks = " + ".join(f"{k} x{n}" for k, n in sorted(kinds.items(), key=lambda kn: -kn[1])) if len(kinds) > 1 \
         else next(iter(kinds), "float")

@@ -234,6 +234,10 @@ def tokenizer_from_gguf_metadata(meta: dict) -> Tokenizer:
     # and the turn ends llama.cpp ends generation at by their text, which the converter leaves unnamed: a Gemma
     # file's eos is <eos>, its chat turns end with <end_of_turn>; a Phi-3 file's eos is <|endoftext|>, its turns <|end|>
     eos += [i for i, text in enumerate(tokens) if text in TURN_ENDS]
+    if {"<|return|>", "<|call|>"} <= set(tokens):  # harmony (gpt-oss): <|end|> ends a message, not the output,
+        # which ends at <|return|> or <|call|> (llama.cpp drops <|end|> from its end tokens alike)
+        eos = [i for i in eos if not (isinstance(i, int) and 0 <= i < len(tokens) and tokens[i] == "<|end|>")]
+        eos += [i for i, text in enumerate(tokens) if text in ("<|return|>", "<|call|>")]
     # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise
     add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
     fim = {role: meta.get(f"tokenizer.ggml.{key}_token_id") for role, key in GGUF_KEYS.items()}  # features/fim.py

@@ -206,8 +206,9 @@ def chat(out: Output, step: Step, session: Session, messages: list[dict], turn: 
         # a compile that failed during this answer fell back to eager: its first decode step was no compile
         out.report(c, compiles and step.mode != "none", f"turn {n} | ")
         compiles = step.account(len(c.tokens))  # auto in a chat: eager until the decoded tokens pay for a compile
-        messages.append({"role": "assistant", "content": c.text} if out.tools is None else
-                        tool_message(content, calls))
+        # with reasoning, the answer alone: harmony's template refuses a content holding its channels
+        messages.append({"role": "assistant", "content": c.text if out.reasoning is None else content}
+                        if out.tools is None else tool_message(content, calls))
         turn = None
 
 

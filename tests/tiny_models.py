@@ -288,3 +288,81 @@ def write_mxfp4_pair(hf, root, quantization: dict) -> None:
     save_file(packed, root / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((root / "float" / "config.json").read_text())
     (root / "mxfp4" / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+
+
+def harmony_template() -> str | None:
+    """gpt-oss's chat template as released (llama.cpp keeps a copy among its sources' templates), found as
+    test_convert.py finds the converter: LLAMA_CPP_CONVERT's tree or $PEER's llama.cpp sources; None without."""
+    import glob
+    import os
+
+    roots = [os.path.dirname(os.environ.get("LLAMA_CPP_CONVERT", ""))]
+    roots += sorted(glob.glob(os.path.join(os.environ["PEER"], "src", "*", "vendor", "llama.cpp"))) \
+        if "PEER" in os.environ else []
+    for root in roots:
+        path = os.path.join(root, "models", "templates", "openai-gpt-oss-120b.jinja")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+    return None
+
+
+HARMONY_TOKENS = ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>",
+                  "<|return|>", "<|call|>", "<|constrain|>")
+
+
+def write_harmony_tokenizer(folder, template: str) -> None:
+    """A byte-level BPE tokenizer with no merges (a token a byte) and gpt-oss's harmony special tokens after the 256
+    bytes, its chat template `template`: a folder both transformers and tokenizer.py read."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in HARMONY_TOKENS])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+        "pad_token": "<|endoftext|>", "chat_template": template}))
+
+
+def dense_twin(model: Transformer, seed: int = 0) -> Transformer:
+    """A random model of `model`'s family with every MoE layer a dense MLP (n_experts None): its attention (MLA,
+    learned sinks) as the family has it, in a model --compile takes."""
+    import dataclasses
+
+    from models.families import build_model
+
+    args = dataclasses.replace(model.args, n_experts=None, dense_layers=(), n_shared_experts=0)
+    torch.manual_seed(seed)
+    twin = build_model(args).eval().requires_grad_(False)
+    for p in twin.parameters():
+        p.data.normal_(0, 0.05)
+    twin.reset_rope("cpu")
+    return twin
+
+
+def compiled_against_eager(model: Transformer, prompt: list[int], n: int) -> dict[str, float]:
+    """{mode: the largest logit difference of n greedy cached steps (after the prompt's prefill) run by a compiled
+    Step against an eager one}, for modes blocks and full."""
+    import torch._dynamo
+
+    from kvcache import KVCache
+    from step import Step
+
+    def steps(step: Step) -> torch.Tensor:
+        cache = KVCache.for_model(model.args, 1, len(prompt) + n, torch.float32, "cpu")
+        logits = step(torch.tensor([prompt]), torch.arange(len(prompt)), cache)
+        out = [logits]
+        for pos in range(len(prompt), len(prompt) + n):
+            logits = step(logits.argmax(-1, keepdim=True), torch.tensor([pos]), cache)
+            out.append(logits)
+        return torch.stack(out)
+
+    torch._dynamo.reset()
+    eager = steps(Step(model))
+    return {mode: (steps(Step(model, mode)) - eager).abs().max().item() for mode in ("blocks", "full")}

@@ -196,7 +196,10 @@ class KVLink:
         self.settled: deque[Transfer] = deque()  # arrived whole, or failed: for the engine thread
         self.ids = iter(range(1 << 62))
         self.bytes_received = 0
-        self.listener = socket.create_server(parse_address(address), backlog=16)
+        try:
+            self.listener = socket.create_server(parse_address(address), backlog=16)
+        except OSError as e:
+            raise ValueError(f"cannot listen for prefill workers on {address}: {e.strerror or e}") from None
         self.address = "%s:%d" % self.listener.getsockname()[:2]
         threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
 

@@ -1,0 +1,322 @@
+"""Disaggregated prefill/decode (serving/disagg.py) against the co-located engine: a decode worker fed by a prefill
+worker over a real socket gives the co-located engine's tokens (greedy, sampled, n/best_of, logprobs) for 16
+concurrent requests, with prefix-cache hits on either side and preemption; a prefill worker lost mid-transfer, silent
+or refused fails only its requests, the decode worker serves on (503 while none is connected) and a new worker is
+served exactly; the wire's block packing round-trips. The fast tests run the worker on a thread of this process;
+the slow ones run `serve.py --role prefill` and `--role decode` as two processes over HTTP."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from helpers import ROOT, ToyTokenizer
+from kvcache import BlockPool
+from params import SamplingParams
+from serving import disagg
+from serving.contract import Request, Unavailable
+from serving.disagg import DecodeEngine, PrefillWorker
+from serving.engine import Engine, EngineConfig
+from tiny_models import greedy_ids
+
+LENGTHS = [3, 17, 40, 9, 33, 64, 5, 21, 50, 12, 100, 2, 77, 8, 130, 45]  # 16 prompts, 2 to 130 tokens
+ROOMY = EngineConfig(block_size=4, num_blocks=300, max_running=16, token_budget=24)
+PREFILL = EngineConfig(block_size=4, num_blocks=300, token_budget=16)
+
+
+def random_prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 160, (n,), generator=g).tolist() for n in lengths]
+
+
+class Worker:
+    """A PrefillWorker dialling `engine` from a thread of this process (a real socket), until stopped."""
+
+    def __init__(self, model, engine: DecodeEngine, config: EngineConfig = PREFILL, **kwargs):
+        self.worker = PrefillWorker(model, config, **kwargs)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.worker.run, args=(engine.link.address, self.stop, 0.05),
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while engine.link.connected() == 0:
+            assert time.monotonic() < deadline, "the prefill worker did not connect"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def wait_until(condition, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def pair(tiny):
+    """(decode engine, its prefill worker) on the tiny model, roomy pools."""
+    engine = DecodeEngine(tiny, ToyTokenizer(), ROOMY)
+    worker = Worker(tiny, engine)
+    yield engine, worker
+    worker.close()
+    engine.close()
+
+
+@pytest.mark.parametrize("decode_config", [ROOMY, EngineConfig(block_size=4, num_blocks=60, max_running=16,
+                                                                 token_budget=24)], ids=["roomy", "preemption"])
+def test_16_concurrent_requests_give_the_colocated_tokens(tiny, decode_config):
+    """Mixed prompt lengths, all submitted at once; the second round takes the decode worker's prefix cache (less KV
+    moved). With a small decode pool, preempted sequences are recomputed on the decode worker, still exact."""
+    prompts = random_prompts(LENGTHS)
+    want = Engine(tiny, ToyTokenizer(), ROOMY).generate(prompts, max_new_tokens=20)
+    assert [c.tokens for c in want[:3]] == [greedy_ids(tiny, p, 20) for p in prompts[:3]]
+    engine = DecodeEngine(tiny, ToyTokenizer(), decode_config)
+    worker = Worker(tiny, engine)
+    try:
+        got = engine.generate(prompts, max_new_tokens=20)
+        assert [c.tokens for c in got] == [c.tokens for c in want]
+        assert [c.text for c in got] == [c.text for c in want]
+        moved = engine.stats()["kv_bytes_received"]
+        assert moved >= sum(n - 1 for n in LENGTHS) * engine.pool.bytes_per_token
+        if decode_config is ROOMY:
+            again = engine.generate(prompts, max_new_tokens=20)
+            assert [c.tokens for c in again] == [c.tokens for c in want]
+            assert engine.stats()["kv_bytes_received"] - moved < moved / 4  # most of it from the cache
+            assert sum(c.prefilled for c in again) < sum(LENGTHS) / 4
+        else:
+            assert engine.stats()["preemptions"] > 0
+        wait_until(lambda: engine.stats()["blocks_used"] == worker.worker.blocks.in_use() == 0, "blocks still held")
+    finally:
+        worker.close()
+        engine.close()
+
+
+def test_prefix_hits_on_the_prefill_worker_are_shipped(tiny, pair):
+    """A second decode worker (a cold cache) behind a prefill worker that already computed these prompts: their KV
+    comes from the prefill worker's cache (reported as cached tokens), and the tokens are the same."""
+    engine, worker = pair
+    prompts = random_prompts([70, 90, 45], seed=3)
+    want = [c.tokens for c in engine.generate(prompts, max_new_tokens=12)]
+    worker.close()
+    cold = DecodeEngine(tiny, ToyTokenizer(), ROOMY)
+    second = threading.Event()  # the same PrefillWorker (its prefix cache) now dials the cold engine
+    thread = threading.Thread(target=worker.worker.run, args=(cold.link.address, second, 0.05), daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: cold.link.connected() == 1, "no worker")
+        got = cold.generate(prompts, max_new_tokens=12)
+        assert [c.tokens for c in got] == want
+        assert all(c.prefilled < 16 for c in got), [c.prefilled for c in got]  # the prefill worker's hits
+    finally:
+        second.set()
+        thread.join(10)
+        cold.close()
+
+
+def test_sampling_parallel_choices_and_logprobs_as_colocated(tiny, pair):
+    """Seeded sampling, n/best_of forks and logprobs: the first token is sampled on the decode worker, with the
+    request's own generator, so every event is the co-located engine's."""
+    engine, _ = pair
+    prompts = random_prompts([30, 7, 55], seed=5)
+    requests = [dict(params=SamplingParams(temperature=0.9, top_p=0.9), seed=11, n=2, best_of=3, logprobs=2),
+                dict(params=SamplingParams(temperature=1.2, top_k=20), seed=4, n=3),
+                dict(params=SamplingParams(), logprobs=1)]
+
+    def serve(eng):
+        events = {}
+        ids = [eng.submit(Request(p, max_new_tokens=10, on_event=lambda e: events.setdefault(e.request_id, [])
+                                  .append(e), **kw)) for p, kw in zip(prompts, requests)]
+        while not all(eng.outputs.groups.get(i) is None and i in events for i in ids):
+            eng.step()
+        every = [e for i in ids for e in events[i]]
+        return ([(e.request_id, e.index, e.token_ids, e.finish_reason, [t.id for t in e.tokens or []]) for e in every],
+                [t.logprob for e in every for t in e.tokens or []])
+
+    (got, got_logprobs), (want, want_logprobs) = serve(engine), serve(Engine(tiny, ToyTokenizer(), ROOMY))
+    assert got == want
+    assert got_logprobs == pytest.approx(want_logprobs, abs=1e-4)  # the last prompt token: a decode row here
+
+
+def test_prompt_logprobs_are_computed_on_the_decode_worker(tiny):
+    """An echo request (prompt logprobs) is prefilled where it is served: it needs no prefill worker."""
+    engine = DecodeEngine(tiny, ToyTokenizer(), ROOMY)
+    try:
+        prompt = random_prompts([20])[0]
+        with pytest.raises(Unavailable, match="no prefill worker is connected"):
+            engine.submit(Request(prompt, max_new_tokens=4))
+        events = []
+        engine.submit(Request(prompt, max_new_tokens=0, prompt_logprobs=0, on_event=events.append))
+        while not events:
+            engine.step()
+        assert events[0].finish_reason == "length" and len(events[0].prompt_logprobs) == 20
+    finally:
+        engine.close()
+
+
+def test_a_prefill_worker_lost_mid_transfer_fails_only_its_requests(tiny):
+    """The worker's connection breaks after the first chunk of a long prompt: that request ends with an error naming
+    the lost worker; a request already decoding finishes exactly; the next one is Unavailable (503) until a worker
+    connects again, and then served exactly. No block stays held."""
+    engine = DecodeEngine(tiny, ToyTokenizer(), ROOMY)
+    worker = Worker(tiny, engine)
+    short, long = random_prompts([6, 150], seed=9)
+    want_short = greedy_ids(tiny, short, 30)
+    events = {}
+    engine.submit(Request(short, max_new_tokens=30, on_event=lambda e: events.setdefault("short", []).append(e)))
+    while "short" not in events:
+        engine.step()
+    step = worker.worker.step
+
+    def dies_after_one_chunk(tokens, pos, cache, **kw):
+        if pos[0] > 0 and engine.link.peers:  # the second chunk: once the first one's blocks are in, cut the line
+            wait_until(lambda: engine.link.bytes_received > 0, "no block arrived")
+            worker.stop.set()  # and do not redial
+            engine.link.peers[0].sock.shutdown(socket.SHUT_RDWR)
+        return step(tokens, pos, cache, **kw)
+
+    worker.worker.step = dies_after_one_chunk
+    engine.submit(Request(long, max_new_tokens=5, on_event=lambda e: events.setdefault("long", []).append(e)))
+    while not (events.get("long") and events["long"][-1].finished and events["short"][-1].finished):
+        engine.step()
+    assert events["long"][-1].finish_reason == "error"
+    assert "was lost mid-transfer" in events["long"][-1].error
+    assert [t for e in events["short"] for t in e.token_ids] == want_short
+    assert events["short"][-1].finish_reason == "length"
+    wait_until(lambda: engine.link.connected() == 0, "the lost worker is still listed")
+    with pytest.raises(Unavailable):
+        engine.submit(Request(short, max_new_tokens=3))
+    worker.thread.join(10)
+    worker = Worker(tiny, engine)
+    try:
+        assert engine.generate([long, short], max_new_tokens=8)[0].tokens == greedy_ids(tiny, long, 8)
+        wait_until(lambda: engine.stats()["blocks_used"] == 0, "blocks still held")
+    finally:
+        worker.close()
+        engine.close()
+
+
+def test_a_silent_prefill_worker_times_out(tiny):
+    """A peer that says hello and then nothing (a hung process, a cut cable): after kv timeout its request fails
+    and the engine serves on."""
+    engine = DecodeEngine(tiny, ToyTokenizer(), ROOMY, timeout=0.5)
+    try:
+        sock = socket.create_connection(disagg.parse_address(engine.link.address))
+        disagg.send(sock, disagg.hello(tiny, engine.pool, None))
+        assert disagg.receive(sock)[0]["type"] == "welcome"
+        got = engine.generate([random_prompts([30])[0]], max_new_tokens=4)[0]
+        assert got.finish_reason == "error" and got.tokens == []
+        assert engine.link.connected() == 0 and engine.stats()["blocks_used"] == 0
+        sock.close()
+    finally:
+        engine.close()
+
+
+def test_a_worker_with_other_weights_or_key_is_refused(tiny):
+    import copy
+
+    other = copy.deepcopy(tiny)
+    with torch.no_grad():
+        other.embed_tokens.weight[0, 0] += 1
+    engine = DecodeEngine(tiny, ToyTokenizer(), ROOMY, key="s3cret")
+    try:
+        for model, key, why in [(other, "s3cret", "other weights"), (tiny, "wrong", "wrong or missing --api-key"),
+                                (tiny, None, "wrong or missing --api-key")]:
+            with pytest.raises(ValueError, match=why):
+                PrefillWorker(model, PREFILL, key=key).serve(
+                    socket.create_connection(disagg.parse_address(engine.link.address)), threading.Event())
+        with pytest.raises(ValueError, match="KV block layout"):
+            PrefillWorker(tiny, EngineConfig(block_size=8), key="s3cret").serve(
+                socket.create_connection(disagg.parse_address(engine.link.address)), threading.Event())
+        assert engine.link.connected() == 0
+    finally:
+        engine.close()
+
+
+def test_an_aborted_request_cancels_its_transfer(tiny, pair):
+    engine, worker = pair
+    prompts = random_prompts([150, 20], seed=2)
+    ids = [engine.submit(Request(p, max_new_tokens=6)) for p in prompts]
+    engine.step()  # both sent to the worker
+    engine.abort(ids[0])
+    while engine.has_work():
+        engine.step()
+    wait_until(lambda: engine.stats()["blocks_used"] == 0 and worker.worker.blocks.in_use() == 0, "blocks held")
+    assert engine.generate(prompts, max_new_tokens=6)[0].tokens == greedy_ids(tiny, prompts[0], 6)
+
+
+def test_completions_over_http_as_colocated_and_503_without_a_worker(tiny_text_dir):
+    """The decode worker owns the HTTP front: without a prefill worker a completion is a 503 with Retry-After;
+    with one, 6 concurrent completions (half streamed) answer as the co-located server does."""
+    import asyncio
+
+    from load import load_model
+    from serving.app import make_app
+    from tokenizer import load_tokenizer
+
+    model, _ = load_model(tiny_text_dir, "cpu", torch.float32)
+    tok = load_tokenizer(tiny_text_dir)
+    words = "the quick brown fox jumps over a lazy dog while it rains".split()
+    bodies = [{"prompt": " ".join(words[:n]) * (1 + n % 3), "max_tokens": 12, "temperature": 0, "stream": n % 2 == 0}
+              for n in range(2, 8)]
+
+    async def answer(h, body):
+        r = await h.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        if not body["stream"]:
+            return r.json()["choices"][0]["text"]
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        return "".join(c["choices"][0]["text"] for c in chunks)
+
+    async def serve(engine, worker: bool):
+        app = make_app(engine, tok, "m")
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000",
+                                         timeout=60) as h:
+                if not worker:
+                    return await asyncio.gather(*(answer(h, b) for b in bodies))
+                r = await h.post("/v1/completions", json=bodies[0])
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                assert "no prefill worker is connected" in r.json()["error"]["message"]
+                started = await asyncio.to_thread(Worker, model, engine)
+                try:
+                    got = await asyncio.gather(*(answer(h, b) for b in bodies))
+                    assert (await h.get("/health")).json()["engine"]["prefill_workers"] == 1
+                finally:
+                    await asyncio.to_thread(started.close)
+                return got
+
+    want = asyncio.run(serve(Engine(model, tok, ROOMY), False))
+    engine = DecodeEngine(model, tok, ROOMY)
+    try:
+        assert asyncio.run(serve(engine, True)) == want
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_blocks_round_trip(dtype):
+    a = BlockPool(3, 10, 4, 2, 8, dtype, "cpu")
+    b = BlockPool(3, 10, 4, 2, 8, dtype, "cpu")
+    for t in (*a.k, *a.v):
+        t.copy_(torch.randn(t.shape))
+    data = disagg.pack(a, [2, 5, 7])
+    assert data.dtype == torch.uint8 and data.numel() == 3 * disagg.block_bytes(a)
+    disagg.unpack(b, [1, 3, 9], data)
+    for x, y in zip((*a.k, *a.v), (*b.k, *b.v)):
+        assert torch.equal(x[[2, 5, 7]], y[[1, 3, 9]]) and not y[[0, 2, 4, 5, 6, 7, 8]].any()
+
+
+def test_kv_address_is_checked():
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        disagg.parse_address("localhost")

@@ -8,12 +8,14 @@ The decode worker (DecodeEngine, an Engine) owns the HTTP API, sampling and the 
 its own prefix-cache hits first, reserves blocks for the rest of its prompt and asks a prefill worker (the one with
 the least work queued) for the keys/values of prompt[start:-1], start being what it already holds. The prefill
 worker (PrefillWorker) reuses its own prefix cache, computes the rest in chunks of --token-budget tokens and sends
-each chunk's full blocks while the next chunk computes (a writer thread); the last, partial block goes with the
-end. The decode worker writes them into the reserved blocks (a reader thread), registers them in its prefix cache
-and admits the request as a decode of its last prompt token: the first token is sampled by the decode worker, from
-its own forward of that token over the shipped keys/values, with the request's own sampler, seed and grammar, so
-n/best_of forks and every sampling option work as co-located. Requests with prompt logprobs (echo) and sequences
-preempted after admission are prefilled on the decode worker itself (the co-located path).
+each chunk's full blocks while the next chunk computes (a writer thread); the last, partial block goes at the end
+with the logits after the prompt's last token. The decode worker writes the blocks into the ones it reserved (a
+reader thread), registers them in its prefix cache, admits the request into the running set and samples its first
+token from those logits, on its own thread with the request's sampler, seed and grammar (forking n/best_of), so
+every sampling option works as co-located. The logits are exact: a prompt's chunks run as prefill forwards, which
+compute the same however a prompt is split (step.Step), so they are the co-located engine's bit for bit. A prompt
+with one token left after the decode worker's prefix hits computes it there (a decode step, as co-located);
+requests with prompt logprobs (echo) and sequences preempted after admission are prefilled on the decode worker.
 
 Transport: one TCP connection per prefill worker, messages of a JSON head (4-byte length first) and raw bytes. Not
 torch.distributed: a gloo or NCCL group is one fate, where a rank that dies leaves the others' point-to-point
@@ -109,10 +111,10 @@ def fingerprint(model: Transformer) -> str:
     return h.hexdigest()
 
 
-def layout(pool: BlockPool) -> dict:
-    """A pool's block layout: what a block's bytes mean."""
+def layout(pool: BlockPool, vocab: int) -> dict:
+    """A pool's block layout (what a block's bytes mean) and the logits' width."""
     return {"layers": len(pool.k), "block_size": pool.block_size, "dtype": str(pool.k[0].dtype),
-            "k": list(pool.k[0].shape[1:]), "v": list(pool.v[0].shape[1:])}
+            "k": list(pool.k[0].shape[1:]), "v": list(pool.v[0].shape[1:]), "vocab": vocab}
 
 
 def pack(pool: BlockPool, ids: list[int]) -> torch.Tensor:
@@ -138,7 +140,8 @@ def block_bytes(pool: BlockPool) -> int:
 
 
 def hello(model: Transformer, pool: BlockPool, key: str | None) -> dict:
-    return {"type": "hello", "version": VERSION, "fingerprint": fingerprint(model), "layout": layout(pool),
+    return {"type": "hello", "version": VERSION, "fingerprint": fingerprint(model),
+            "layout": layout(pool, model.args.vocab_size),
             "key": key}
 
 
@@ -165,10 +168,11 @@ class Transfer:
     peer: "Peer"
     blocks: list[int]  # the pool blocks they go into, in order
     start: int  # positions the decode worker held already (a multiple of the block size)
-    end: int  # positions shipped up to: the prompt but its last token
+    end: int  # positions shipped up to: the whole prompt
     received: int = 0  # blocks written
     cached: int = 0  # positions the prefill worker took from its own prefix cache
     error: str | None = None
+    logits: torch.Tensor | None = None  # (1, V) after the prompt's last token: the first token is drawn from them
 
 
 @dataclass(eq=False)
@@ -219,9 +223,9 @@ class KVLink:
                 return None
             peer = min(self.peers, key=Peer.load)
             first = seq.n_computed // self.pool.block_size
-            t = Transfer(next(self.ids), seq, peer, seq.blocks[first:], seq.n_computed, len(seq.tokens) - 1)
+            t = Transfer(next(self.ids), seq, peer, seq.blocks[first:], seq.n_computed, len(seq.tokens))
             peer.transfers[t.id] = t
-        peer.outbox.put(({"type": "prefill", "id": t.id, "tokens": seq.tokens[:t.end], "start": t.start}, None))
+        peer.outbox.put(({"type": "prefill", "id": t.id, "tokens": seq.tokens, "start": t.start}, None))
         return t
 
     def cancel(self, t: Transfer) -> None:
@@ -251,12 +255,13 @@ class KVLink:
         try:
             head, _ = receive(sock)
             why = mismatch(self.mine, head, self.key)
-            send(sock, {"type": "refused", "why": why} if why else {"type": "welcome"})
             if why:
                 print(f"disagg: refused the prefill worker at {name}: {why}", file=sys.stderr)
+                send(sock, {"type": "refused", "why": why})
                 return sock.close()
-            with self.lock:
+            with self.lock:  # before the welcome: a worker that has it is counted
                 self.peers.append(peer)
+            send(sock, {"type": "welcome"})
             print(f"disagg: prefill worker {name} connected", file=sys.stderr)
             threading.Thread(target=write, args=(peer, self.timeout), name="kv-writer", daemon=True).start()
             while True:
@@ -283,12 +288,18 @@ class KVLink:
             if kind == "done" and t.received != -(-(t.end - t.start) // self.pool.block_size):
                 t.error = f"the prefill worker {peer.name} sent {t.received} of the prompt's blocks"
             elif kind == "done":
-                t.cached = int(head["cached"])
+                t.cached, t.logits = int(head["cached"]), self._logits(head, payload)
             else:
                 t.error = f"the prefill worker {peer.name} failed: {head.get('why', kind)}"
             del peer.transfers[t.id]
             self.settled.append(t)
         self.notify()
+
+    def _logits(self, head: dict, payload: torch.Tensor | None) -> torch.Tensor:
+        dtype, vocab = getattr(torch, head["dtype"]), self.mine["layout"]["vocab"]
+        assert isinstance(dtype, torch.dtype) and payload is not None and payload.numel() == vocab * dtype.itemsize, \
+            f"logits of {None if payload is None else payload.numel()} bytes"
+        return payload.view(dtype).view(1, vocab).to(self.pool.k[0].device)
 
     def _lost(self, peer: Peer, why: str) -> None:
         """peer is gone: its transfers fail, the rest of the engine serves on."""
@@ -339,7 +350,7 @@ class RemoteScheduler(Scheduler):
         self.link = link
         self.pending: deque[Seq] = deque()  # waiting for blocks
         self.flying: dict[Seq, Transfer] = {}
-        self.arrived: deque[Seq] = deque()  # all positions but the last in its blocks
+        self.arrived: deque[Transfer] = deque()  # the whole prompt in its blocks, waiting for a running slot
 
     def add(self, seq: Seq) -> None:
         if seq.reuse and len(seq.tokens) == seq.n_prompt:
@@ -349,9 +360,14 @@ class RemoteScheduler(Scheduler):
 
     def schedule(self) -> tuple[list[Seq], list[tuple[Seq, int]]]:
         self._reserve()
-        while self.arrived and self.admit_computed(self.arrived[0]):
-            self.arrived.popleft()
         return super().schedule()
+
+    def admit_arrived(self) -> list[Transfer]:
+        """The arrived transfers that now run (oldest first, while the running set has room)."""
+        admitted = []
+        while self.arrived and self.admit_computed(self.arrived[0].seq):
+            admitted.append(self.arrived.popleft())
+        return admitted
 
     def _reserve(self) -> None:
         """Give pending sequences their prefix hits and blocks for the rest, oldest first, while free blocks stay
@@ -368,7 +384,7 @@ class RemoteScheduler(Scheduler):
             self.pending.popleft()
             remote = seq.n_computed < len(seq.tokens) - 1 and self.blocks.grow(seq, len(seq.tokens))
             t = self.link.start(seq) if remote else None
-            if t is None:  # one token left, or no prefill worker since submit(): computed here
+            if t is None:  # one token left (a decode step, as co-located), or no prefill worker since submit()
                 self.blocks.drop(seq)
                 super().add(seq)
             else:
@@ -380,13 +396,12 @@ class RemoteScheduler(Scheduler):
         del self.flying[seq]
         self.blocks.computed(seq, t.end - t.start)
         seq.cached = max(t.start, t.cached)  # prefix hits on either side
-        self.arrived.append(seq)
+        self.arrived.append(t)
 
     def remove(self, seq: Seq) -> None:
         if seq in self.pending:
             self.pending.remove(seq)
-        elif seq in self.arrived:
-            self.arrived.remove(seq)
+        self.arrived = deque(t for t in self.arrived if t.seq is not seq)
         t = self.flying.pop(seq, None)
         if t is not None:
             self.link.cancel(t)  # before its blocks are freed
@@ -425,6 +440,8 @@ class DecodeEngine(Engine):
                 self.scheduler.arrive(t)
             else:
                 self.outputs.fail(t.seq, ConnectionError(t.error))
+        for t in self.scheduler.admit_arrived():
+            self.outputs.sample(t.seq, t.logits)  # its first token (forks for n/best_of), as a co-located prefill's
         busy = super().step()
         s = self.scheduler
         if busy and not (s.running or s.waiting or s.arrived):
@@ -535,20 +552,21 @@ class PrefillWorker:
                                          "the prefill worker's pool (its --num-blocks) holds"}, None))
             pos = torch.arange(seq.n_computed, seq.n_computed + n, device=self.device)
             table = torch.tensor([seq.blocks], device=self.device)  # (1, N)
-            self.step(torch.tensor([tokens[seq.n_computed:seq.n_computed + n]], device=self.device), pos,
-                      PagedKVCache(self.pool, table), prefill=True)
+            logits = self.step(torch.tensor([tokens[seq.n_computed:seq.n_computed + n]], device=self.device), pos,
+                               PagedKVCache(self.pool, table), prefill=True)  # (1, V)
             self.blocks.computed(seq, n)
-        if id not in cancelled:
+        if id not in cancelled and peer.alive:
             self._send(peer, id, seq, sent, -(-len(tokens) // bs), base)
-            peer.outbox.put(({"type": "done", "id": id, "cached": cached}, None))
+            peer.outbox.put(({"type": "done", "id": id, "cached": cached, "dtype": str(logits.dtype)[6:]},
+                             logits.reshape(-1).view(torch.uint8).cpu()))
             self.prefilled += 1
         cancelled.discard(id)
         peer.outbox.put(lambda: self.released.put(seq))  # after its blocks went out
 
     def _check(self, tokens, start) -> str | None:
         """Why a job cannot be served (a decode worker's bug or another model), or None."""
-        if not isinstance(tokens, list) or not tokens or len(tokens) >= self.model.args.max_seq_len:
-            return f"a prompt of 1 to {self.model.args.max_seq_len - 1} tokens is needed"
+        if not isinstance(tokens, list) or not tokens or len(tokens) > self.model.args.max_seq_len:
+            return f"a prompt of 1 to {self.model.args.max_seq_len} tokens is needed"
         if not all(isinstance(t, int) and 0 <= t < self.model.args.vocab_size for t in tokens):
             return f"token ids must be in [0, {self.model.args.vocab_size})"
         if not isinstance(start, int) or start % self.config.block_size or not 0 <= start < len(tokens):

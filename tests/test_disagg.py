@@ -24,6 +24,7 @@ from serving import disagg
 from serving.contract import Request, Unavailable
 from serving.disagg import DecodeEngine, PrefillWorker
 from serving.engine import Engine, EngineConfig
+from step import Step
 from tiny_models import greedy_ids
 
 LENGTHS = [3, 17, 40, 9, 33, 64, 5, 21, 50, 12, 100, 2, 77, 8, 130, 45]  # 16 prompts, 2 to 130 tokens
@@ -328,3 +329,151 @@ def test_packed_blocks_round_trip(dtype):
 def test_kv_address_is_checked():
     with pytest.raises(ValueError, match="HOST:PORT"):
         disagg.parse_address("localhost")
+
+
+# ---- two processes: serve.py --role decode and --role prefill (SmolLM2) ----
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_role(gguf: str, role: str, kv: int, *flags: str) -> subprocess.Popen:
+    """`python serve.py --role ROLE` on SmolLM2 in float32, batch-invariant (--deterministic), one thread, its output
+    to a pipe."""
+    return subprocess.Popen([sys.executable, "serve.py", "--role", role, "--model", gguf, "--dtype", "float32",
+                             "--deterministic", "--threads", "1", "--quiet", "--kv-address", f"127.0.0.1:{kv}", *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def health(url: str) -> dict:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).json()
+    except httpx.TransportError:
+        return {}
+
+
+def wait_for_workers(url: str, procs: list, n: int = 1) -> None:
+    deadline = time.monotonic() + 180
+    while health(url).get("engine", {}).get("prefill_workers") != n:
+        for p in procs:
+            assert p.poll() is None, f"serve.py exited with {p.returncode}: {p.stdout.read()}"
+        assert time.monotonic() < deadline, "the pair did not come up within 180 s"
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def colocated(smollm2_gguf, smollm2_tokenizer):
+    """The co-located engine over SmolLM2 as serve.py loads it (float32, the file's codes), its default pool, batch
+    invariant: SmolLM2's Q8_0 head computes in bf16 and has near-ties that a decode row's rounding, which depends on
+    its batch-mates (who arrived when), can flip; --deterministic makes every row's answer its own."""
+    from load import load_model
+
+    model, _ = load_model(smollm2_gguf, "cpu", torch.float32)
+    step = Step(model, deterministic=True)
+    return Engine(model, smollm2_tokenizer, EngineConfig(num_blocks=513), step), smollm2_tokenizer
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    with open(os.path.join(ROOT, "data", "pride_and_prejudice_ch1-2.txt"), encoding="utf-8") as f:
+        return f.read()
+
+
+def post(url: str, route: str, body: dict) -> tuple[int, str]:
+    """(status, the answer's text: a choice's text or message content, streamed or not; else the error message)."""
+    r = httpx.post(f"{url}{route}", json=body, timeout=300)
+    if r.status_code != 200:
+        return r.status_code, r.json()["error"]["message"]
+    if not body.get("stream"):
+        choice = r.json()["choices"][0]
+        return 200, choice["text"] if "text" in choice else choice["message"]["content"]
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    if any("error" in c for c in chunks):
+        return 500, next(c["error"]["message"] for c in chunks if "error" in c)
+    parts = [c["choices"][0].get("text", c["choices"][0].get("delta", {}).get("content")) for c in chunks
+             if c.get("choices")]
+    return 200, "".join(p or "" for p in parts)
+
+
+@pytest.mark.slow
+def test_two_processes_answer_16_concurrent_requests_as_colocated(smollm2_gguf, colocated, text):
+    """8 completions (token ids, 10 to ~400 tokens) and 8 chats, half of each streamed, all at once through the
+    decode worker's HTTP front: the co-located engine's greedy texts."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine, tok = colocated
+    prompts = [tok.encode(text[i * 700:i * 700 + n]) for i, n in enumerate([40, 1600, 300, 900, 120, 60, 1200, 500])]
+    chats = [[{"role": "user", "content": q}] for q in ["What is the capital of France?", "Name three colours.",
+             "Write a haiku about rain.", text[:600] + "\nWho speaks first here?", "What is 2 + 2?",
+             "Say hello in Spanish.", text[3000:3400] + "\nSummarize this.", "List two fruits."]]
+    chat_ids = [tok.encode(tok.apply_chat_template(c), bos=False) for c in chats]
+    want = [c.text for c in engine.generate(prompts + chat_ids, max_new_tokens=24)]
+    bodies = [("/v1/completions", {"prompt": p, "max_tokens": 24, "temperature": 0, "stream": i % 2 == 0})
+              for i, p in enumerate(prompts)]
+    bodies += [("/v1/chat/completions", {"messages": c, "max_tokens": 24, "temperature": 0, "stream": i % 2 == 1})
+               for i, c in enumerate(chats)]
+    port, kv = free_port(), free_port()
+    decode = start_role(smollm2_gguf, "decode", kv, "--port", str(port))
+    prefill = start_role(smollm2_gguf, "prefill", kv, "--token-budget", "128")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_workers(url, [decode, prefill])
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda b: post(url, *b), bodies))
+        assert got == [(200, w) for w in want]
+        assert health(url)["engine"]["kv_bytes_received"] > sum(map(len, prompts)) * 46080 * 0.9  # 45 KiB a token
+    finally:
+        stop(prefill)
+        stop(decode)
+
+
+@pytest.mark.slow
+def test_killing_the_prefill_worker_mid_transfer_fails_only_its_request(smollm2_gguf, colocated, text):
+    """SIGKILL the prefill worker while a long prompt's blocks arrive: that request gets a 500 naming the lost
+    worker, a stream already decoding finishes with the co-located text, the decode worker stays healthy and
+    answers 503 until a prefill worker connects again, which then serves exactly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine, tok = colocated
+    short, long = tok.encode("1, 2, 3,"), tok.encode(text[2000:9000])
+    want_short, want_long = (c.text for c in engine.generate([short, long], max_new_tokens=40))
+    port, kv = free_port(), free_port()
+    decode = start_role(smollm2_gguf, "decode", kv, "--port", str(port))
+    prefill = start_role(smollm2_gguf, "prefill", kv, "--token-budget", "32")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_workers(url, [decode, prefill])
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(post, url, "/v1/completions", {"prompt": short, "max_tokens": 40, "temperature": 0,
+                                                               "stream": True})
+            while health(url)["engine"]["running"] == 0:
+                time.sleep(0.05)
+            second = pool.submit(post, url, "/v1/completions", {"prompt": long, "max_tokens": 40, "temperature": 0})
+            while health(url)["engine"]["kv_bytes_received"] < 46080 * 64:  # a few chunks in
+                time.sleep(0.02)
+            prefill.kill()
+            assert first.result() == (200, want_short)
+            status, message = second.result()
+        assert status == 500 and "was lost mid-transfer" in message, message
+        assert health(url)["status"] == "ok" and health(url)["engine"]["prefill_workers"] == 0
+        assert post(url, "/v1/completions", {"prompt": short, "max_tokens": 4})[0] == 503
+        prefill = start_role(smollm2_gguf, "prefill", kv)
+        wait_for_workers(url, [decode, prefill])
+        assert post(url, "/v1/completions", {"prompt": long, "max_tokens": 40, "temperature": 0}) == (200, want_long)
+        assert health(url)["engine"]["blocks_used"] == 0
+    finally:
+        stop(prefill)
+        stop(decode)

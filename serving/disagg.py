@@ -72,8 +72,9 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-def receive(sock: socket.socket) -> tuple[dict, torch.Tensor | None]:
-    """The next message: its head and payload (uint8, or None)."""
+def receive(sock: socket.socket, limit: int = 0) -> tuple[dict, torch.Tensor | None]:
+    """The next message: its head and payload (uint8, or None; a payload over `limit` bytes ends the connection
+    before anything is allocated for it)."""
     size = bytearray(HEAD.size)
     recv_into(sock, memoryview(size))
     (n,) = HEAD.unpack(size)
@@ -82,8 +83,8 @@ def receive(sock: socket.socket) -> tuple[dict, torch.Tensor | None]:
     data = bytearray(n)
     recv_into(sock, memoryview(data))
     head = json.loads(data)
-    if not isinstance(head, dict) or not isinstance(head.get("bytes"), int) or head["bytes"] < 0:
-        raise ConnectionError("a malformed message head")
+    if not isinstance(head, dict) or not isinstance(head.get("bytes"), int) or not 0 <= head["bytes"] <= limit:
+        raise ConnectionError(f"a malformed message head, or a payload over {limit} bytes")
     payload = None
     if head["bytes"]:
         payload = torch.empty(head["bytes"], dtype=torch.uint8)
@@ -195,6 +196,8 @@ class KVLink:
     def __init__(self, pool: BlockPool, mine: dict, address: str, key: str | None, timeout: float, notify):
         self.pool, self.mine, self.key, self.timeout, self.notify = pool, mine, key, timeout, notify
         self.block_bytes = block_bytes(pool)
+        # the most one message carries: every block of the pool, or the logits (as float64 at most)
+        self.limit = max(pool.num_blocks * self.block_bytes, mine["layout"]["vocab"] * 8)
         self.lock = threading.Lock()
         self.peers: list[Peer] = []
         self.settled: deque[Transfer] = deque()  # arrived whole, or failed: for the engine thread
@@ -265,7 +268,7 @@ class KVLink:
             print(f"disagg: prefill worker {name} connected", file=sys.stderr)
             threading.Thread(target=write, args=(peer, self.timeout), name="kv-writer", daemon=True).start()
             while True:
-                self._handle(peer, *receive(sock))
+                self._handle(peer, *receive(sock, self.limit))
         except (OSError, ValueError, KeyError, TypeError, AssertionError, RuntimeError) as e:  # died, hung, or garbled
             self._lost(peer, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 

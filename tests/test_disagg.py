@@ -326,9 +326,16 @@ def test_packed_blocks_round_trip(dtype):
         assert torch.equal(x[[2, 5, 7]], y[[1, 3, 9]]) and not y[[0, 2, 4, 5, 6, 7, 8]].any()
 
 
-def test_kv_address_is_checked():
-    with pytest.raises(ValueError, match="HOST:PORT"):
-        disagg.parse_address("localhost")
+def test_role_flags_are_checked_before_the_model_loads(cli_error):
+    import serve
+
+    assert "--kv-address must be HOST:PORT, got '8001'" in cli_error(serve.main, ["--role", "decode", "--kv-address",
+                                                                                   "8001"])
+    assert "--role prefill needs the whole-context KV cache" in cli_error(serve.main, ["--role", "prefill",
+                                                                                       "--cache-window", "64"])
+    assert "--kv-timeout must be > 0" in cli_error(serve.main, ["--role", "decode", "--kv-timeout", "0"])
+    args = serve.parse_args(["--role", "decode", "--kv-address", "127.0.0.1:0"])
+    assert (args.role, args.kv_address, args.kv_timeout) == ("decode", "127.0.0.1:0", 30.0)
 
 
 # ---- two processes: serve.py --role decode and --role prefill (SmolLM2) ----

@@ -5,7 +5,7 @@ each time: no prefix-cache hits) arriving every --long-every seconds. Prints, pe
 inter-token latency (gaps between streamed tokens) p50/p99, TTFT of the streams and of the long prompts, output
 tokens/s, and the KV bytes the decode worker received per request and per prompt token.
 
-    python -m scripts.disaggbench --streams 4 --long-every 4 --long-words 900 --duration 60
+    python -m scripts.disaggbench --streams 4 --long-every 8 --long-words 300 --duration 60
 """
 import argparse
 import json
@@ -33,66 +33,83 @@ def start(args: argparse.Namespace, flags: list[str], cores: set[int], log, thre
                             preexec_fn=lambda: os.sched_setaffinity(0, cores))
 
 
-def stream(url: str, body: dict) -> tuple[list[float], int]:
-    """One streamed completion: the arrival time of each chunk with text, and the prompt's tokens."""
+def stream(url: str, body: dict, on_token) -> int:
+    """One streamed greedy completion; on_token(time) at each chunk with text; returns the prompt's tokens (0 if
+    refused)."""
     import httpx
 
-    times, prompt_tokens = [], 0
+    prompt_tokens = 0
     body = {**body, "stream": True, "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
-            raise ValueError(f"the server answered {r.status_code}: {r.read().decode()[:200]}")
+            print(f"disaggbench: the server answered {r.status_code}: {r.read().decode()[:200]}", file=sys.stderr)
+            return 0
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("choices") and chunk["choices"][0]["text"]:
-                times.append(time.perf_counter())
+                on_token(time.perf_counter())
             if chunk.get("usage"):
                 prompt_tokens = chunk["usage"]["prompt_tokens"]
-    return times, prompt_tokens
+    return prompt_tokens
 
 
 def load(url: str, args: argparse.Namespace, words: list[str]) -> dict:
-    """The load: closed-loop streams and periodic long prompts for args.duration seconds; the samples."""
-    out = {"itl": [], "stream_ttft": [], "long_ttft": [], "tokens": 0, "requests": 0, "prompt_tokens": 0}
+    """The load: closed-loop streams and periodic long prompts for args.duration seconds, then up to args.grace
+    seconds for those in flight; the samples, counted as the tokens arrive (a request still running at the end
+    gives the gaps it had)."""
+    import httpx
+
+    out = {"itl": [], "stream_ttft": [], "long_ttft": [], "tokens": 0, "requests": 0, "prompt_tokens": 0,
+           "unfinished": 0}
     lock, end = threading.Lock(), time.perf_counter() + args.duration
 
-    def record(t0: float, times: list[float], prompt_tokens: int, kind: str) -> None:
+    def request(prompt: str, max_tokens: int, kind: str) -> None:
+        t0, last = time.perf_counter(), []
+
+        def on_token(t: float) -> None:
+            with lock:
+                if not last:
+                    out[f"{kind}_ttft"].append(t - t0)
+                elif kind == "stream":
+                    out["itl"].append(t - last[0])
+                last[:] = [t]
+                out["tokens"] += 1
+
         with lock:
-            out[f"{kind}_ttft"].append(times[0] - t0)
-            if kind == "stream":
-                out["itl"] += [b - a for a, b in zip(times, times[1:])]
-            out["tokens"] += len(times)
+            out["unfinished"] += 1
+        try:
+            prompt_tokens = stream(url, {"prompt": prompt, "max_tokens": max_tokens}, on_token)
+        except httpx.HTTPError:  # cut off at the end (the server stopped)
+            return
+        with lock:
+            out["unfinished"] -= 1
             out["requests"] += 1
             out["prompt_tokens"] += prompt_tokens
 
     def streamer(i: int) -> None:
         n = 0
         while time.perf_counter() < end:
-            prompt = f"Stream {i}.{n}: " + " ".join(words[(i * 50 + n * 7) % 1000:][:40])
-            t0 = time.perf_counter()
-            record(t0, *stream(url, {"prompt": prompt, "max_tokens": args.stream_tokens}), "stream")
+            request(f"Stream {i}.{n}: " + " ".join(words[(i * 50 + n * 7) % 1000:][:40]), args.stream_tokens,
+                    "stream")
             n += 1
 
-    def long_prompt(k: int) -> None:
-        prompt = f"Document {k}: " + " ".join((words * 3)[(k * 131) % 1000:][:args.long_words])
-        t0 = time.perf_counter()
-        record(t0, *stream(url, {"prompt": prompt, "max_tokens": args.long_tokens}), "long")
-
-    threads = [threading.Thread(target=streamer, args=(i,)) for i in range(args.streams)]
+    threads = [threading.Thread(target=streamer, args=(i,), daemon=True) for i in range(args.streams)]
     for t in threads:
         t.start()
     k = 0
     while time.perf_counter() + args.long_every < end:
         time.sleep(args.long_every)
-        threads.append(threading.Thread(target=long_prompt, args=(k,)))
+        prompt = f"Document {k}: " + " ".join((words * 3)[(k * 131) % 1000:][:args.long_words])
+        threads.append(threading.Thread(target=request, args=(prompt, args.long_tokens, "long"), daemon=True))
         threads[-1].start()
         k += 1
     for t in threads:
-        t.join()
-    out["seconds"] = args.duration
-    return out
+        t.join(timeout=max(0.0, end + args.grace - time.perf_counter()))
+    with lock:  # (requests cut off go on adding to out)
+        return {**{k: list(v) if isinstance(v, list) else v for k, v in out.items()},
+                "seconds": time.perf_counter() - end + args.duration}
 
 
 def kv_received(url: str) -> int:
@@ -113,7 +130,7 @@ def measure(args: argparse.Namespace, mode: str, words: list[str]) -> dict:
                      start(args, ["--role", "prefill", "--kv-address", kv], {c1}, log)]
         try:
             wait_ready(url, procs[0], 300)
-            stream(url, {"prompt": "Warm-up: " + " ".join(words[:args.long_words]), "max_tokens": 4})
+            stream(url, {"prompt": "Warm-up: " + " ".join(words[:args.long_words]), "max_tokens": 4}, lambda t: None)
             before = kv_received(url)
             result = load(url, args, words)
             result["kv_bytes"] = kv_received(url) - before
@@ -127,13 +144,13 @@ def measure(args: argparse.Namespace, mode: str, words: list[str]) -> dict:
 
 def table(results: dict[str, dict]) -> str:
     rows = ["| mode | ITL p50 / p99 ms | stream TTFT p50 / p99 ms | long-prompt TTFT p50 / p99 ms | output tok/s | "
-            "KV MB per request | KV KB per prompt token |", "|---|---:|---:|---:|---:|---:|---:|"]
+            "KV MB per request | KV KB per prompt token | cut off |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, r in results.items():
         ms = lambda xs: f"{percentile(xs, 50) * 1000:.0f} / {percentile(xs, 99) * 1000:.0f}"  # noqa: E731
         kv = r["kv_bytes"]
         rows.append(f"| {mode} | {ms(r['itl'])} | {ms(r['stream_ttft'])} | {ms(r['long_ttft'])} | "
                     f"{r['tokens'] / r['seconds']:.1f} | {kv / max(r['requests'], 1) / 1e6:.2f} | "
-                    f"{kv / max(r['prompt_tokens'], 1) / 1e3:.1f} |")
+                    f"{kv / max(r['prompt_tokens'], 1) / 1e3:.1f} | {r['unfinished']} |")
     return "\n".join(rows)
 
 
@@ -148,11 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cores", nargs=2, type=int, default=None, metavar=("A", "B"),
                    help="the two CPU cores (default: the first two this process may use)")
     p.add_argument("--streams", type=int, default=4, help="closed-loop greedy streams (default 4)")
-    p.add_argument("--stream-tokens", type=int, default=96, help="tokens per stream request (default 96)")
-    p.add_argument("--long-every", type=float, default=4.0, help="seconds between long prompts (default 4)")
-    p.add_argument("--long-words", type=int, default=900, help="words per long prompt (default 900, ~1200 tokens)")
+    p.add_argument("--stream-tokens", type=int, default=64, help="tokens per stream request (default 64)")
+    p.add_argument("--long-every", type=float, default=8.0, help="seconds between long prompts (default 8)")
+    p.add_argument("--long-words", type=int, default=300, help="words per long prompt (default 300, ~400 tokens)")
     p.add_argument("--long-tokens", type=int, default=8, help="tokens generated per long prompt (default 8)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per mode (default 60)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds the requests in flight at the end may take before the mode is cut off (default 30)")
     p.add_argument("--port", type=int, default=8300, help="the HTTP port; the KV link takes the next (default 8300)")
     p.add_argument("--logs", default=".", help="folder for each mode's server log (default .)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every sample here")
@@ -163,7 +182,7 @@ def run(args: argparse.Namespace) -> None:
     check_ranges(args, {"streams": Range(1, 256), "stream_tokens": Range(2, 4096),
                         "long_every": Range(0, 3600, above=True), "long_words": Range(1, 2000),
                         "long_tokens": Range(1, 4096),
-                        "duration": Range(0, 86400, above=True), "port": Range(1, 65534)})
+                        "duration": Range(0, 86400, above=True), "grace": Range(0, 86400), "port": Range(1, 65534)})
     allowed = sorted(os.sched_getaffinity(0))
     args.cores = args.cores or allowed[:2]
     if len(set(args.cores)) != 2 or not set(args.cores) <= set(allowed):

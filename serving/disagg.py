@@ -464,8 +464,8 @@ class DecodeEngine(Engine):
 # ---- the prefill worker ----
 
 class PrefillWorker:
-    """Computes prompts' keys/values for the decode worker it dials, one prompt at a time in chunks of
-    config.token_budget tokens, with a prefix cache of its own; a writer thread sends each chunk's blocks while the
+    """Computes prompts' keys/values for the decode worker it dials, in chunks of config.token_budget tokens, one
+    chunk of each prompt in turn, with a prefix cache of its own; a writer thread sends each chunk's blocks while the
     next chunk computes."""
 
     def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(), step: Step | None = None,
@@ -510,21 +510,61 @@ class PrefillWorker:
         writer = threading.Thread(target=write, args=(peer, self.timeout), name="kv-writer", daemon=True)
         writer.start()
         threading.Thread(target=read_jobs, args=(peer, jobs, cancelled), name="kv-reader", daemon=True).start()
-        while not stop.is_set() and peer.alive:
-            self._release()
-            try:
-                job = jobs.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if job is None:  # the connection ended
-                break
-            self.prefill(job, peer, cancelled)
+        self._loop(peer, jobs, cancelled, stop)
         peer.outbox.put(None)
         writer.join()
         sock.close()
         for seq in list(self.held):  # what was still being sent
             self.released.put(seq)
         self._release()
+
+    def _loop(self, peer: Peer, jobs: queue.SimpleQueue, cancelled: set, stop: threading.Event) -> None:
+        """Prompts in order of arrival, each started once its blocks fit (waiting), then one chunk of each started one
+        in turn (active), so a short prompt waits one chunk of a long one, not all of it."""
+        waiting: deque[dict] = deque()
+        active: deque[Job] = deque()
+        while not stop.is_set() and peer.alive:
+            self._release()
+            try:
+                head = jobs.get_nowait() if active or waiting else jobs.get(timeout=0.2)
+            except queue.Empty:
+                head = False
+            if head is None:  # the connection ended
+                return
+            if head:
+                waiting.append(head)
+            self._start(waiting, active, peer, cancelled)
+            if active:
+                if self.advance(active[0], peer, cancelled):
+                    active.popleft()
+                else:
+                    active.rotate(-1)
+            elif waiting:  # blocks still being sent come back soon
+                stop.wait(0.005)
+
+    def _start(self, waiting: deque, active: deque, peer: Peer, cancelled: set) -> None:
+        """Start waiting prompts, oldest first, while the pool has blocks for the whole of each; refuse one (an
+        error message) that cannot be served, or that needs more blocks than the pool has when no other holds any."""
+        while waiting:
+            head = waiting.popleft()
+            if head["id"] in cancelled:
+                cancelled.discard(head["id"])
+                continue
+            why = self._check(head["tokens"], head["start"])
+            if why is None:
+                seq = Seq(tokens=list(head["tokens"]), n_prompt=len(head["tokens"]))
+                self.blocks.reuse_prefix(seq)
+                if self.blocks.grow(seq, len(seq.tokens)):
+                    self.held.add(seq)
+                    base = head["start"] // self.config.block_size
+                    active.append(Job(head["id"], seq, base, base, seq.n_computed))
+                    continue
+                self.blocks.drop(seq)
+                if self.held:  # others hold blocks: later
+                    waiting.appendleft(head)
+                    return
+                why = "the prompt needs more KV blocks than the prefill worker's pool (its --num-blocks) holds"
+            peer.outbox.put(({"type": "error", "id": head["id"], "why": why}, None))
 
     def _release(self) -> None:
         while not self.released.empty():
@@ -534,37 +574,27 @@ class PrefillWorker:
                 self.blocks.drop(seq)
 
     @torch.inference_mode()
-    def prefill(self, job: dict, peer: Peer, cancelled: set) -> None:
-        """Compute job's tokens past this worker's prefix hits, sending every block from job's start on as soon as it
-        is full (the last one at the end), then "done"; or "error" with why."""
-        id, tokens, start = job["id"], job["tokens"], job["start"]
-        why = self._check(tokens, start)
-        if why is not None:
-            return peer.outbox.put(({"type": "error", "id": id, "why": why}, None))
-        seq = Seq(tokens=list(tokens), n_prompt=len(tokens))
-        self.held.add(seq)
-        self.blocks.reuse_prefix(seq)
-        cached, bs, base = seq.n_computed, self.config.block_size, start // self.config.block_size
-        sent = base
-        while seq.n_computed < len(tokens) and id not in cancelled and peer.alive:
-            sent = self._send(peer, id, seq, sent, seq.n_computed // bs, base)
-            n = min(self.config.token_budget, len(tokens) - seq.n_computed)
-            if not self._grow(seq, seq.n_computed + n, peer):
-                peer.outbox.put(lambda: self.released.put(seq))
-                return peer.outbox.put(({"type": "error", "id": id, "why": "the prompt needs more KV blocks than "
-                                         "the prefill worker's pool (its --num-blocks) holds"}, None))
+    def advance(self, job: "Job", peer: Peer, cancelled: set) -> bool:
+        """Send job's full blocks and compute its next chunk; after the last, the rest and "done". True when the job
+        is over (its blocks released once sent)."""
+        seq, bs = job.seq, self.config.block_size
+        if job.id not in cancelled and peer.alive:  # (its blocks were all given when it started)
+            job.sent = self._send(peer, job.id, seq, job.sent, seq.n_computed // bs, job.base)
+            n = min(self.config.token_budget, len(seq.tokens) - seq.n_computed)
             pos = torch.arange(seq.n_computed, seq.n_computed + n, device=self.device)
             table = torch.tensor([seq.blocks], device=self.device)  # (1, N)
-            logits = self.step(torch.tensor([tokens[seq.n_computed:seq.n_computed + n]], device=self.device), pos,
-                               PagedKVCache(self.pool, table), prefill=True)  # (1, V)
+            logits = self.step(torch.tensor([seq.tokens[seq.n_computed:seq.n_computed + n]], device=self.device),
+                               pos, PagedKVCache(self.pool, table), prefill=True)  # (1, V)
             self.blocks.computed(seq, n)
-        if id not in cancelled and peer.alive:
-            self._send(peer, id, seq, sent, -(-len(tokens) // bs), base)
-            peer.outbox.put(({"type": "done", "id": id, "cached": cached, "dtype": str(logits.dtype)[6:]},
+            if seq.n_computed < len(seq.tokens):
+                return False
+            self._send(peer, job.id, seq, job.sent, -(-len(seq.tokens) // bs), job.base)
+            peer.outbox.put(({"type": "done", "id": job.id, "cached": job.cached, "dtype": str(logits.dtype)[6:]},
                              logits.reshape(-1).view(torch.uint8).cpu()))
             self.prefilled += 1
-        cancelled.discard(id)
+        cancelled.discard(job.id)
         peer.outbox.put(lambda: self.released.put(seq))  # after its blocks went out
+        return True
 
     def _check(self, tokens, start) -> str | None:
         """Why a job cannot be served (a decode worker's bug or another model), or None."""
@@ -585,14 +615,15 @@ class PrefillWorker:
                                      pack(self.pool, ids)))
         return max(first, end)
 
-    def _grow(self, seq: Seq, n_positions: int, peer: Peer) -> bool:
-        """Blocks for seq up to n_positions; waits for blocks still being sent to come back when the pool is short."""
-        while not self.blocks.grow(seq, n_positions):
-            if not peer.alive or self.released.empty() and peer.outbox.empty():
-                return False
-            threading.Event().wait(0.005)
-            self._release()
-        return True
+
+@dataclass(eq=False)
+class Job:
+    """A prompt a prefill worker is computing: its blocks are sent from `base` (the decode worker's hits) on."""
+    id: int
+    seq: Seq
+    base: int
+    sent: int  # the next block to send
+    cached: int  # positions from this worker's prefix cache
 
 
 def read_jobs(peer: Peer, jobs: queue.SimpleQueue, cancelled: set) -> None:

@@ -157,6 +157,38 @@ def test_sampling_parallel_choices_and_logprobs_as_colocated(tiny, pair):
     assert got_logprobs == pytest.approx(want_logprobs, abs=1e-5)
 
 
+def test_a_short_prompt_does_not_wait_for_a_long_one(tiny, pair):
+    """The prefill worker computes one chunk of each prompt in turn: a short prompt sent after a long one (10 chunks)
+    arrives first, and both answer exactly."""
+    engine, _ = pair
+    long, short = random_prompts([160, 12], seed=8)
+    order, arrive = [], engine.scheduler.arrive
+    engine.scheduler.arrive = lambda t: (order.append(len(t.seq.tokens)), arrive(t))
+    got = engine.generate([long, short], max_new_tokens=6)
+    assert order == [12, 160]
+    assert [c.tokens for c in got] == [greedy_ids(tiny, p, 6) for p in (long, short)]
+
+
+def test_a_small_prefill_pool_queues_prompts_and_refuses_one_too_long(tiny):
+    """A prefill worker with 19 usable blocks of 4: three 60-token prompts (15 blocks each) wait for each other's
+    blocks and answer exactly; a 100-token prompt (25 blocks) fails alone, naming the pool."""
+    engine = DecodeEngine(tiny, ToyTokenizer(), ROOMY)
+    worker = Worker(tiny, engine, EngineConfig(block_size=4, num_blocks=20, token_budget=16))
+    try:
+        prompts = random_prompts([60, 60, 100, 60], seed=4)
+        events = []
+        engine.submit(Request(prompts[2], max_new_tokens=5, on_event=events.append))
+        got = engine.generate(prompts[:2] + prompts[3:], max_new_tokens=5)
+        assert [c.tokens for c in got] == [greedy_ids(tiny, p, 5) for p in prompts[:2] + prompts[3:]]
+        while not events:
+            engine.step()
+        assert events[-1].finish_reason == "error"
+        assert "more KV blocks than the prefill worker's pool (its --num-blocks) holds" in events[-1].error
+    finally:
+        worker.close()
+        engine.close()
+
+
 def test_prompt_logprobs_are_computed_on_the_decode_worker(tiny):
     """An echo request (prompt logprobs) is prefilled where it is served: it needs no prefill worker."""
     engine = DecodeEngine(tiny, ToyTokenizer(), ROOMY)

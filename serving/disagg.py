@@ -6,16 +6,18 @@ which admits each request straight into decode, so that a long prompt never stal
 
 The decode worker (DecodeEngine, an Engine) owns the HTTP API, sampling and the running streams. A new request takes
 its own prefix-cache hits first, reserves blocks for the rest of its prompt and asks a prefill worker (the one with
-the least work queued) for the keys/values of prompt[start:-1], start being what it already holds. The prefill
-worker (PrefillWorker) reuses its own prefix cache, computes the rest in chunks of --token-budget tokens and sends
-each chunk's full blocks while the next chunk computes (a writer thread); the last, partial block goes at the end
-with the logits after the prompt's last token. The decode worker writes the blocks into the ones it reserved (a
-reader thread), registers them in its prefix cache, admits the request into the running set and samples its first
-token from those logits, on its own thread with the request's sampler, seed and grammar (forking n/best_of), so
-every sampling option works as co-located. The logits are exact: a prompt's chunks run as prefill forwards, which
-compute the same however a prompt is split (step.Step), so they are the co-located engine's bit for bit. A prompt
-with one token left after the decode worker's prefix hits computes it there (a decode step, as co-located);
-requests with prompt logprobs (echo) and sequences preempted after admission are prefilled on the decode worker.
+the least work queued) for the keys/values of prompt[start:], start being what it already holds. The prefill worker
+(PrefillWorker) reuses its own prefix cache, reserves blocks for the whole prompt (a prompt waits while others hold
+them), computes the rest in chunks of --token-budget tokens, one chunk of each started prompt in turn (a short
+prompt waits a chunk of a long one, not all of it), and sends each chunk's full blocks while the next chunk computes
+(a writer thread); the last, partial block goes at the end with the logits after the prompt's last token. The
+decode worker writes the blocks into the ones it reserved (a reader thread), registers them in its prefix cache,
+admits the request into the running set and samples its first token from those logits, on its own thread with the
+request's sampler, seed and grammar (forking n/best_of), so every sampling option works as co-located. The logits
+are exact: a prompt's chunks run as prefill forwards, which compute the same however a prompt is split (step.Step),
+so they are the co-located engine's bit for bit. A prompt with one token left after the decode worker's prefix hits
+computes it there (a decode step, as co-located); requests with prompt logprobs (echo) and sequences preempted after
+admission are prefilled on the decode worker.
 
 Transport: one TCP connection per prefill worker, messages of a JSON head (4-byte length first) and raw bytes. Not
 torch.distributed: a gloo or NCCL group is one fate, where a rank that dies leaves the others' point-to-point

@@ -230,7 +230,7 @@ class KVLink:
             first = seq.n_computed // self.pool.block_size
             t = Transfer(next(self.ids), seq, peer, seq.blocks[first:], seq.n_computed, len(seq.tokens))
             peer.transfers[t.id] = t
-        peer.outbox.put(({"type": "prefill", "id": t.id, "tokens": seq.tokens, "start": t.start}, None))
+        peer.outbox.put(({"type": "prefill", "id": t.id, "tokens": list(seq.tokens), "start": t.start}, None))
         return t
 
     def cancel(self, t: Transfer) -> None:
@@ -271,7 +271,7 @@ class KVLink:
             threading.Thread(target=write, args=(peer, self.timeout), name="kv-writer", daemon=True).start()
             while True:
                 self._handle(peer, *receive(sock, self.limit))
-        except (OSError, ValueError, KeyError, TypeError, AssertionError, RuntimeError) as e:  # died, hung, or garbled
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # died, hung, or garbled
             self._lost(peer, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 
     def _handle(self, peer: Peer, head: dict, payload: torch.Tensor | None) -> None:
@@ -284,8 +284,9 @@ class KVLink:
                 return
             if kind == "blocks":
                 first, n = head["first"], head["count"]
-                assert first == t.received and first + n <= len(t.blocks) and payload is not None and \
-                    payload.numel() == n * self.block_bytes, f"blocks {first}+{n} of {len(t.blocks)}"
+                if not (first == t.received and first + n <= len(t.blocks) and payload is not None and
+                        payload.numel() == n * self.block_bytes):
+                    raise ConnectionError(f"blocks {first}+{n} of {len(t.blocks)}, after {t.received}")
                 unpack(self.pool, t.blocks[first:first + n], payload)
                 t.received += n
                 self.bytes_received += payload.numel()
@@ -302,8 +303,8 @@ class KVLink:
 
     def _logits(self, head: dict, payload: torch.Tensor | None) -> torch.Tensor:
         dtype, vocab = getattr(torch, head["dtype"]), self.mine["layout"]["vocab"]
-        assert isinstance(dtype, torch.dtype) and payload is not None and payload.numel() == vocab * dtype.itemsize, \
-            f"logits of {None if payload is None else payload.numel()} bytes"
+        if not (isinstance(dtype, torch.dtype) and payload is not None and payload.numel() == vocab * dtype.itemsize):
+            raise ConnectionError(f"logits of {None if payload is None else payload.numel()} bytes")
         return payload.view(dtype).view(1, vocab).to(self.pool.k[0].device)
 
     def _lost(self, peer: Peer, why: str) -> None:

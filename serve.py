@@ -50,12 +50,15 @@ from features.reasoning import PARSERS
 from features.sinks import SinkWindow
 from features.toolcalls import FORMATS
 from serving.app import make_app
+from serving.disagg import DecodeEngine, PrefillWorker, parse_address
 from serving.engine import Engine, EngineConfig
 from serving.gate import BACKLOG, LOCAL_HOSTS, Connections, GuardedH11Protocol, ServeConfig, use_file_descriptors
 from kvcache import BlockPool
 from step import COMPILE_HELP, COMPILE_MODES, DETERMINISTIC_HELP, Step, check_deterministic
 
 API_KEY_ENV = "TINYLLM_API_KEY"  # --api-key's default
+ROLES = ("colocated", "prefill", "decode")
+KV_ADDRESS = "127.0.0.1:8001"  # --kv-address's default
 
 
 def num_blocks_arg(value: str) -> int | str:
@@ -68,7 +71,8 @@ RANGES = {"max_model_len": Range(0, 2**24), "port": Range(0, 65535), "block_size
           "token_budget": Range(1, 2**24), "cache_window": Range(1, 2**24), "sink_tokens": Range(0, 2**20),
           "max_body_bytes": Range(1, 2**31), "header_timeout": Range(0, 86400, above=True),
           "max_connections": Range(1, 10**6), "shutdown_timeout": Range(0, 86400), "threads": THREADS,
-          "pipeline_parallel": Range(2, 2**16), "micro_batches": Range(1, 2**16)}
+          "pipeline_parallel": Range(2, 2**16), "micro_batches": Range(1, 2**16),
+          "kv_timeout": Range(0, 86400, above=True)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--static-batching", action="store_true",
                    help="admit a new batch only when the running one has finished (for comparison)")
     add_access_flags(p.add_argument_group("access and limits"), serving)
+    add_role_flags(p.add_argument_group("disaggregated prefill/decode (serving/disagg.py)"))
     add_answer_flags(p.add_argument_group("how answers are read and shaped"), serving)
     p.add_argument("--threads", "-t", type=int, default=None, metavar="N", help=THREADS_HELP)
     p.add_argument("--weights-cache", default=None, metavar="DIR", help=WEIGHTS_CACHE_HELP)
@@ -143,6 +148,21 @@ def add_access_flags(g: argparse._ArgumentGroup, serving: ServeConfig) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=serving.shutdown_timeout_s, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, how long running requests may take to finish before they are ended "
                    f"(default {serving.shutdown_timeout_s:g})")
+
+
+def add_role_flags(g: argparse._ArgumentGroup) -> None:
+    """Which part of serving this process does: all of it, or the prefill or decode half of a disaggregated pair."""
+    g.add_argument("--role", default="colocated", choices=ROLES,
+                   help="colocated (default): one process prefills and decodes; decode: the HTTP front and the "
+                   "decodes, prompts prefilled by prefill workers that dial --kv-address (503 while none is "
+                   "connected); prefill: computes prompts' KV blocks and sends them to the decode worker at "
+                   "--kv-address (no HTTP; reconnects when it restarts)")
+    g.add_argument("--kv-address", default=KV_ADDRESS, metavar="HOST:PORT",
+                   help=f"with --role: where the decode worker listens for prefill workers (default {KV_ADDRESS}); "
+                   "they must run the same model, --dtype, --quantize and --block-size, and its --api-key")
+    g.add_argument("--kv-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="with --role: a peer silent this long (heartbeats go every second) is lost, failing only the "
+                   "requests it was prefilling (default 30)")
 
 
 def add_answer_flags(g: argparse._ArgumentGroup, serving: ServeConfig) -> None:
@@ -178,6 +198,12 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.cache_window is not None:
         SinkWindow(EngineConfig.sink_tokens if args.sink_tokens is None else args.sink_tokens,
                    args.cache_window).check()  # the model's context is checked by the engine
+    if args.role != "colocated":
+        parse_address(args.kv_address)
+        if args.cache_window is not None:
+            raise ValueError(f"--role {args.role} needs the whole-context KV cache: --cache-window rewrites blocks")
+        if args.pipeline_parallel is not None:
+            raise ValueError(f"--role {args.role} runs one process a role: drop --pipeline-parallel")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError(f"--api-key (or ${API_KEY_ENV}) is empty; leave it unset to serve without a key")
     if any(not name.strip() for name in args.served_model_name or []):
@@ -246,14 +272,18 @@ def sampling_line(sampling: dict[str, float | int], value: str) -> str:
 
 def make_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
     """The engine serve.py runs: the flags' pool and limits, and its forwards as --compile says (step.Step); under
-    pipeline parallel (rank 0, the first stage) they go through the stages (pp.PipelineStep)."""
-    if args.pipeline_parallel is None:
-        return Engine(model, tokenizer, engine_config(args, context_of(args, model)),
-                      Step(model, args.compile, deterministic=args.deterministic))
-    step = pp.PipelineStep(Step(model, "none", deterministic=args.deterministic))
-    engine = Engine(model, tokenizer, engine_config(args, context_of(args, model)), step)
-    step.watch(engine.pool)
-    return engine
+    pipeline parallel (rank 0, the first stage) they go through the stages (pp.PipelineStep); a decode worker's
+    prompts are prefilled elsewhere (disagg.DecodeEngine)."""
+    config = engine_config(args, context_of(args, model))
+    if args.pipeline_parallel is not None:
+        step = pp.PipelineStep(Step(model, "none", deterministic=args.deterministic))
+        engine = Engine(model, tokenizer, config, step)
+        step.watch(engine.pool)
+        return engine
+    step = Step(model, args.compile, deterministic=args.deterministic)
+    if args.role == "decode":
+        return DecodeEngine(model, tokenizer, config, step, args.kv_address, args.api_key, args.kv_timeout)
+    return Engine(model, tokenizer, config, step)
 
 
 def context_of(args: argparse.Namespace, model) -> int:
@@ -311,12 +341,16 @@ def run(args: argparse.Namespace) -> None:
 
     check_flags(args)
     set_threads(args.threads)
+    if args.role == "prefill":
+        return run_prefill(args)
     device, whole = pick_device(args.device), tp.from_env() if args.pipeline_parallel else None
     stage, group = pp.place(whole, args.pipeline_parallel) if whole is not None else (None, None)
     if whole is not None:  # rank 0 serves; the other ranks compute its forwards' layers
         device, args.quiet = tp.device_for(whole, device), args.quiet or whole.rank > 0
     if whole is None or whole.rank == 0:
         check_port(args.host, args.port)  # before the model loads
+        if args.role == "decode":
+            check_port(*parse_address(args.kv_address))
         use_file_descriptors(args.max_connections)
     dtype, dtype_why = pick_dtype(args.dtype, device)
     model, tokenizer, sampling, names = load(args, device, dtype, None if stage is None else stage.shard())
@@ -348,6 +382,9 @@ def run(args: argparse.Namespace) -> None:
         print(f"serving {names[0]} on http://{args.host}:{args.port} | {device.type} "
               f"{str(dtype).removeprefix('torch.')} ({dtype_why}){parallel} | API key "
               f"{'required' if args.api_key else 'off'} | {config} | {runs}", file=sys.stderr)
+        if args.role == "decode":
+            print(f"decode worker: prefill workers dial {engine.link.address} (serve.py --role prefill "
+                  f"--kv-address {engine.link.address})", file=sys.stderr)
         if sampling:
             print(sampling_line(sampling, args.generation_config), file=sys.stderr)
     # The engine steps on the main thread and uvicorn serves from another: here, torch's OpenMP-parallel ops
@@ -365,6 +402,26 @@ def run(args: argparse.Namespace) -> None:
         web.join(timeout=10)
     if not stopped:
         raise SystemExit(1)
+
+
+def run_prefill(args: argparse.Namespace) -> None:
+    """--role prefill: no HTTP; prefill prompts for the decode worker at --kv-address, redialling it when the
+    connection ends, until SIGTERM or SIGINT."""
+    device = pick_device(args.device)
+    dtype, dtype_why = pick_dtype(args.dtype, device)
+    model, _, _, names = load(args, device, dtype)
+    context = min(model.args.max_seq_len, args.max_model_len or model.args.max_seq_len)
+    config = engine_config(args, context)
+    worker = PrefillWorker(model, config, Step(model, args.compile, deterministic=args.deterministic),
+                           args.api_key, args.kv_timeout)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if not args.quiet:
+        print(f"prefill worker for {names[0]}: sending KV blocks to the decode worker at {args.kv_address} | "
+              f"{device.type} {str(dtype).removeprefix('torch.')} ({dtype_why}) | {config.num_blocks} blocks of "
+              f"{config.block_size}, chunks of {config.token_budget} tokens", file=sys.stderr)
+    worker.run(args.kv_address, stop)
 
 
 def main(argv: list[str] | None = None) -> int:

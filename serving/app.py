@@ -33,7 +33,7 @@ from features.grammar import Compiler
 from features.reasoning import tags_named
 from serving import messages, responses
 from serving.answer import Answer
-from serving.contract import Event, Request
+from serving.contract import Event, Request, Unavailable
 from serving.embeddings import embeddings_body, parse_embeddings
 from serving.engine import Engine, QueueFull
 from serving.gate import Gate, GateState, QuietLoopErrors, ServeConfig, error
@@ -361,6 +361,8 @@ async def admit_call(server: Server, http: HTTPRequest, api: Api) -> tuple[Call,
     except QueueFull as e:
         return api.error(429, f"the server is busy: {e}; retry later", "rate_limit_error",
                          headers={"Retry-After": str(RETRY_AFTER_S)})
+    except Unavailable as e:
+        return api.error(503, f"{e}; retry later", "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
     except ValueError as e:  # the engine's checks: prompt longer than the context, more KV blocks than the pool
         return api.error(400, str(e))
     return call, ids, queue

@@ -44,3 +44,8 @@ class Request:
     # of their sampled tokens are returned
     logprobs: int | None = None  # with it, Event.tokens gives a params.Token (id, logprob, top N) per token_id
     prompt_logprobs: int | None = None  # with it, each choice's first event has Event.prompt_logprobs
+
+
+class Unavailable(RuntimeError):
+    """The engine cannot take a request now, and may later: a decode worker with no prefill worker connected
+    (serving/disagg.py). HTTP 503 with Retry-After."""

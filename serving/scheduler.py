@@ -208,6 +208,14 @@ class Scheduler:
         """Run seq from the next step on without admission: a fork, which holds its parent's blocks."""
         self.running.append(seq)
 
+    def admit_computed(self, seq: Seq) -> bool:
+        """Run seq from the next step if the running set has room (False: not yet): its blocks already hold its first
+        seq.n_computed positions' keys/values, computed elsewhere (a prefill worker: serving/disagg.py)."""
+        if sum(s.width for s in self.running) + seq.width > self.config.max_running:
+            return False
+        self.running.append(seq)
+        return True
+
     def remove(self, seq: Seq) -> None:
         """seq is done (finished, aborted or failed): out of the queues, its blocks given back."""
         if seq in self.running:

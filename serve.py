@@ -336,6 +336,21 @@ def load(args: argparse.Namespace, device, dtype, shard=None) -> tuple:
     return model, tokenizer, sampling, served_names(args, model_path)
 
 
+def placement(args: argparse.Namespace) -> tuple:
+    """(device, this process's rank or None, its pipeline stage and group or None); the process that serves checks
+    its ports (before the model loads) and raises its file limit."""
+    device, whole = pick_device(args.device), tp.from_env() if args.pipeline_parallel else None
+    stage, group = pp.place(whole, args.pipeline_parallel) if whole is not None else (None, None)
+    if whole is not None:  # rank 0 serves; the other ranks compute its forwards' layers
+        device, args.quiet = tp.device_for(whole, device), args.quiet or whole.rank > 0
+    if whole is None or whole.rank == 0:
+        check_port(args.host, args.port)
+        if args.role == "decode":
+            check_port(*parse_address(args.kv_address))
+        use_file_descriptors(args.max_connections)
+    return device, whole, stage, group
+
+
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -343,15 +358,7 @@ def run(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     if args.role == "prefill":
         return run_prefill(args)
-    device, whole = pick_device(args.device), tp.from_env() if args.pipeline_parallel else None
-    stage, group = pp.place(whole, args.pipeline_parallel) if whole is not None else (None, None)
-    if whole is not None:  # rank 0 serves; the other ranks compute its forwards' layers
-        device, args.quiet = tp.device_for(whole, device), args.quiet or whole.rank > 0
-    if whole is None or whole.rank == 0:
-        check_port(args.host, args.port)  # before the model loads
-        if args.role == "decode":
-            check_port(*parse_address(args.kv_address))
-        use_file_descriptors(args.max_connections)
+    device, whole, stage, group = placement(args)
     dtype, dtype_why = pick_dtype(args.dtype, device)
     model, tokenizer, sampling, names = load(args, device, dtype, None if stage is None else stage.shard())
     model, parallel = (model, "") if stage is None else stage_of(args, model, stage, group)

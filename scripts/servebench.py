@@ -154,7 +154,8 @@ def table(results: list[Server]) -> str:
     return "\n".join(rows)
 
 
-RANGES = {"concurrency": Range(1, 10_000), "requests": Range(1, 10**6), "rounds": Range(1, 10**6), "max_tokens": Range(1, 2**20),
+RANGES = {"concurrency": Range(1, 10_000), "requests": Range(1, 10**6), "rounds": Range(1, 10**6),
+          "max_tokens": Range(1, 2**20),
           "min_words": Range(1, 10**6), "max_words": Range(1, 10**6), "seed": Range(-2**63, 2**64 - 1),
           "port": Range(1, 65535), "startup_timeout_s": Range(0, 86400, above=True), "llama_ctx": Range(1, 2**24)}
 

@@ -415,9 +415,9 @@ def percentile(samples: list[float], q: float) -> float:
 def stream_gaps(model, step: Step, streams: int, prompt_len: int, new_tokens: int, long_len: int | None,
                 config) -> dict:
     """`streams` greedy requests of new_tokens decoding in the engine; once each has its first token, a
-    long_len-token prompt arrives (None: none). Returns the streams' inter-token gaps (seconds of the engine thread's CPU time and of the
-    wall clock, from their second token on; with the long prompt, those while it is prefilled) and the long
-    prompt's time to its first token (CPU seconds)."""
+    long_len-token prompt arrives (None: none). Returns the streams' inter-token gaps (seconds of the engine
+    thread's CPU time and of the wall clock, from their second token on; with the long prompt, those while it is
+    prefilled) and the long prompt's time to its first token (CPU seconds)."""
     from serving.contract import Request
     from serving.engine import Engine
 

@@ -167,7 +167,8 @@ def test_a_steps_prefill_tokens_respect_the_chunk_budget(model, monkeypatch):
 
     monkeypatch.setattr(scheduler.Scheduler, "schedule", recording)
     prompts = random_prompts([6, 50, 3, 70])
-    expected = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=200)).generate(prompts, max_new_tokens=12)
+    unchunked = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=200))
+    expected = unchunked.generate(prompts, max_new_tokens=12)
     plans.clear()
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=200, token_budget=32, prefill_chunk=5))
     assert [c.tokens for c in eng.generate(prompts, max_new_tokens=12)] == [c.tokens for c in expected]

@@ -16,6 +16,7 @@ A mixture of experts (Mixtral) holds all E experts in memory but a batch-1 decod
 is routed to: its decode ceiling comes from those active bytes, its memory plan from all of them.
 """
 import argparse
+import itertools
 import json
 import math
 import os
@@ -348,20 +349,23 @@ def engine_bench(model, step: Step, batch_sizes: list[int], prompt_len: int, new
     return rows
 
 
-def median_step(steps, timer) -> float:
-    """The median seconds (by timer) of an iterator's items after its first (the prefill) and two more (warm-up)."""
-    next(steps)
-    times = []
-    while True:
-        t0 = timer()
-        if next(steps, None) is None:
-            break
-        times.append(timer() - t0)
-    return statistics.median(times[2:] or times)
+def interleaved_steps(loops: dict, timer) -> dict:
+    """The median seconds (by timer) of each loop's steps, the loops stepped in turn (one step of each, then the
+    next round) so that a busy machine's slow spells fall on all of them alike; each loop's first item (the
+    prefill) and two more (warm-up) untimed; until the shortest loop ends."""
+    times = {name: [] for name in loops}
+    for loop in loops.values():
+        next(loop)
+    for i in itertools.count():
+        for name, loop in loops.items():
+            t0 = timer()
+            if next(loop, None) is None:
+                return {name: statistics.median(t[2:] or t) for name, t in times.items()}
+            times[name].append(timer() - t0)
 
 
 def engine_steps(engine, prompts: list[list[int]], new_tokens: int):
-    """Submit prompts to engine (greedy), then yield once after each step until they are done."""
+    """Submit prompts to engine (greedy), then yield after each step while work remains (the first: the prefill)."""
     from serving.contract import Request
 
     for prompt in prompts:
@@ -382,17 +386,15 @@ def step_vs_generate(model, step: Step, batch_sizes: list[int], prompt_len: int,
     for b in batch_sizes:
         prompts = torch.randint(0, model.args.vocab_size, (b, prompt_len)).tolist()
         greedy = SamplingParams(temperature=0)
-        loop = generate(model, prompts[0], max_new_tokens=new_tokens, params=greedy, step=step) if b == 1 else \
-            generate_batch(model, prompts, max_new_tokens=new_tokens, params=greedy, step=step)
-        row = {"batch_size": b, "generate_ms": median_step(loop, time.thread_time) * 1e3}
+        loops = {"generate_ms": generate(model, prompts[0], max_new_tokens=new_tokens, params=greedy, step=step)
+                 if b == 1 else generate_batch(model, prompts, max_new_tokens=new_tokens, params=greedy, step=step)}
         for key, wide in (("engine_ms", None), ("wide_ms", wide_rows)):
-            if key == "wide_ms" and wide is None:
-                continue
-            config = EngineConfig(num_blocks=1 + b * -(-(prompt_len + new_tokens) // 16), max_running=b,
-                                  token_budget=b * (prompt_len + 1), prefix_caching=False, wide_rows=wide)
-            engine = Engine(model, NoText(), config, step)
-            row[key] = median_step(engine_steps(engine, prompts, new_tokens), time.thread_time) * 1e3
-        rows.append(row)
+            if key == "engine_ms" or wide is not None:
+                config = EngineConfig(num_blocks=1 + b * -(-(prompt_len + new_tokens) // 16), max_running=b,
+                                      token_budget=b * (prompt_len + 1), prefix_caching=False, wide_rows=wide)
+                loops[key] = engine_steps(Engine(model, NoText(), config, step), prompts, new_tokens)
+        times = interleaved_steps(loops, time.thread_time)
+        rows.append({"batch_size": b, **{key: t * 1e3 for key, t in times.items()}})
     return rows
 
 

@@ -243,6 +243,8 @@ class Engine:
                     width = bucket(max(width, 2), self.max_width)  # >= 2, which Dynamo keeps symbolic (below)
             tokens = torch.tensor([r[0] for r in rows], device=self.device)  # (B, 1)
             pos = torch.tensor([r[1] for r in rows], device=self.device)  # (B, 1) per-row positions
+            if len(rows) == 1:  # one row: positions shared by the batch, (T,), the model's cheaper path
+                pos = pos[0]  # (1,)
             tables = self._tables([r[2] for r in rows], width)  # (B, N)
             if self.buckets:  # symbolic sizes from the first compile: one graph for one row and one for the rest,
                 for t, dim in ((tokens, 0), (pos, 0), (tables, 0), (tables, 1)):  # not a recompile for each size

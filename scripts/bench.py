@@ -722,8 +722,9 @@ def run(args: argparse.Namespace) -> None:
     header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
               f"weights {describe(model)} | "
               f"{'eager' if step.mode == 'none' else 'compiled: ' + step.mode}"
-              f"{', deterministic' if step.deterministic else ''} | {args.new_tokens} new tokens, "
-              f"median of {args.runs}")
+              f"{', deterministic' if step.deterministic else ''}")
+    if not args.long_prompt:
+        header += f" | {args.new_tokens} new tokens, median of {args.runs}"
     if args.engine and args.long_prompt:
         rows = long_prompt_bench(model, step, args.batch_size[0], args.prompt_len[0], args.long_prompt,
                                  long_prompt_config(args))

@@ -10,6 +10,8 @@ compute-bound. bench.py measures this machine's bandwidth itself and reports how
   python bench.py --plan --shape llama-2-7b [--memory-gib 80] [--context 4096]
   python bench.py --json-schema schema.json --batch-size 1 16    # + what structured output's masking costs a step
   python bench.py --engine --batch-size 1 16 64 256 --compile    # the serving engine's decode steps per batch
+  python bench.py --engine --batch-size 1 8 32 --vs-generate [--wide-rows 16]  # + beside generate.py's step
+  python bench.py --engine --long-prompt 2000 --batch-size 4 --prefill-chunk 8  # streams' ITL, long prompt
   python bench.py --table out/*.json                             # the --json files of several runs as one table
 
 A mixture of experts (Mixtral) holds all E experts in memory but a batch-1 decode step reads only the k its token

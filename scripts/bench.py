@@ -693,6 +693,23 @@ def long_prompt_config(args: argparse.Namespace):
                         prefill_chunk=args.prefill_chunk, wide_rows=args.wide_rows, prefix_caching=False)
 
 
+def run_engine(args: argparse.Namespace, model, step: Step, header: str, bandwidth: float) -> list[dict]:
+    """--engine's runs and tables: the long-prompt case, or the step per batch (and beside generate.py's)."""
+    if args.long_prompt:
+        rows = long_prompt_bench(model, step, args.batch_size[0], args.prompt_len[0], args.long_prompt,
+                                 long_prompt_config(args))
+        print_long_prompt(rows, f"engine, {args.batch_size[0]} streams, prefill chunk "
+                          f"{args.prefill_chunk or 'unset'} (token budget {args.token_budget}): {header}")
+        return rows
+    rows = engine_bench(model, step, args.batch_size, args.prompt_len[0], args.new_tokens, args.runs, bandwidth,
+                        args.wide_rows)
+    print_engine_table(rows, f"engine: {header}", bandwidth)
+    if args.vs_generate:
+        costs = step_vs_generate(model, step, args.batch_size, args.prompt_len[0], args.new_tokens, args.wide_rows)
+        print_step_vs_generate(costs, "one decode step, generate.py's loop against the engine's")
+    return rows
+
+
 def run(args: argparse.Namespace) -> None:
     check_args(args)
     if args.table:
@@ -727,19 +744,8 @@ def run(args: argparse.Namespace) -> None:
               f"{', deterministic' if step.deterministic else ''}")
     if not args.long_prompt:
         header += f" | {args.new_tokens} new tokens, median of {args.runs}"
-    if args.engine and args.long_prompt:
-        rows = long_prompt_bench(model, step, args.batch_size[0], args.prompt_len[0], args.long_prompt,
-                                 long_prompt_config(args))
-        print_long_prompt(rows, f"engine, {args.batch_size[0]} streams, prefill chunk "
-                          f"{args.prefill_chunk or 'unset'} (token budget {args.token_budget}): {header}")
-    elif args.engine:
-        rows = engine_bench(model, step, args.batch_size, args.prompt_len[0], args.new_tokens, args.runs, bandwidth,
-                            args.wide_rows)
-        print_engine_table(rows, f"engine: {header}", bandwidth)
-        if args.vs_generate:
-            print_step_vs_generate(step_vs_generate(model, step, args.batch_size, args.prompt_len[0],
-                                                    args.new_tokens, args.wide_rows),
-                                   "one decode step, generate.py's loop against the engine's")
+    if args.engine:
+        rows = run_engine(args, model, step, header, bandwidth)
     else:
         rows = [bench(model, device, b, p, args.new_tokens, args.runs, step, bandwidth, peak_tflops)
                 for b in args.batch_size for p in args.prompt_len]

@@ -189,7 +189,8 @@ class PagedKVCache:
 
     def __init__(self, pool: BlockPool, block_tables: torch.Tensor):
         self.tables, self.block_size = block_tables, pool.block_size
-        self.layers = [PagedLayer(k, v, block_tables, pool.block_size) for k, v in zip(pool.k, pool.v)]
+        where = Slots(block_tables, pool.block_size)  # every layer writes the same positions: computed once
+        self.layers = [PagedLayer(k, v, block_tables, pool.block_size, where) for k, v in zip(pool.k, pool.v)]
 
     @property
     def max_seq_len(self) -> int:
@@ -199,24 +200,45 @@ class PagedKVCache:
     positions = KVCache.positions
 
 
+class Slots:
+    """Where positions are written in rows with these block tables: (block ids, slots in them), each (B, T). One
+    forward's layers all write the same positions, so an eager forward computes them once, in its first layer
+    (a compiled one computes them in each: a Python-side memo is not something a graph should guard on)."""
+
+    def __init__(self, block_tables: torch.Tensor, block_size: int):
+        self.tables, self.block_size = block_tables, block_size
+        self.pos, self.at = None, None
+
+    def __call__(self, input_pos: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pos is input_pos and not torch.compiler.is_compiling():
+            return self.at
+        pos = input_pos.expand(B, T)  # (B, T)
+        at = self.tables.gather(1, pos // self.block_size), pos % self.block_size  # (B, T) block ids, slots
+        if not torch.compiler.is_compiling():
+            self.pos, self.at = input_pos, at
+        return at
+
+
 class PagedLayer:
-    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, block_size: int):
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                 where: Slots | None = None):
         self.k_pool, self.v_pool, self.tables, self.block_size = k_pool, v_pool, block_tables, block_size
+        self.where = where or Slots(block_tables, block_size)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                k_unrotated: torch.Tensor | None = None):
         """Write k, v (B, K, T, D) at positions input_pos ((T,) or (B, T)) into the rows' blocks; return every
         row's blocks gathered, (B, K, S, D). k_unrotated: as LayerKVCache.update's, unused."""
         B, K, T, _ = k.shape
-        pos = input_pos.expand(B, T)  # (B, T)
-        blocks = self.tables.gather(1, pos // self.block_size)  # (B, T) block ids
-        slots = pos % self.block_size  # (B, T)
+        blocks, slots = self.where(input_pos, B, T)  # (B, T) each
         self.k_pool[blocks, :, slots] = k.transpose(1, 2).to(self.k_pool.dtype)  # indexed view is (B, T, K, D)
         self.v_pool[blocks, :, slots] = v.transpose(1, 2).to(self.v_pool.dtype)
         N = self.tables.shape[1]
 
         def gather(pool: torch.Tensor) -> torch.Tensor:
-            # (B, N) ids -> (B, N, K, bs, D) -> (B, K, N, bs, D) -> (B, K, S, D)
-            return pool[self.tables].transpose(1, 2).reshape(B, K, N * self.block_size, pool.shape[-1])
+            # (B N,) ids -> (B N, K, bs, D) -> (B, N, K, bs, D) -> (B, K, N, bs, D) -> (B, K, S, D); index_select
+            # of whole blocks then one copy: half the time of pool[tables] (advanced indexing) or less at 1-32 rows
+            rows = pool.index_select(0, self.tables.reshape(-1)).view(B, N, K, self.block_size, pool.shape[-1])
+            return rows.transpose(1, 2).reshape(B, K, N * self.block_size, pool.shape[-1])
 
         return gather(self.k_pool), gather(self.v_pool)

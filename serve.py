@@ -68,7 +68,8 @@ def num_blocks_arg(value: str) -> int | str:
 # Each numeric flag's allowed values (cli.check_ranges), checked before the model loads; --num-blocks also takes auto.
 RANGES = {"max_model_len": Range(0, 2**24), "port": Range(0, 65535), "block_size": Range(1, 4096),
           "num_blocks": Range(2, 2**24), "max_running": Range(1, 65536), "max_waiting": Range(1, 10**6),
-          "token_budget": Range(1, 2**24), "cache_window": Range(1, 2**24), "sink_tokens": Range(0, 2**20),
+          "token_budget": Range(1, 2**24), "prefill_chunk": Range(1, 2**24),
+          "wide_rows": Range(1, 65536), "cache_window": Range(1, 2**24), "sink_tokens": Range(0, 2**20),
           "max_body_bytes": Range(1, 2**31), "header_timeout": Range(0, 86400, above=True),
           "max_connections": Range(1, 10**6), "shutdown_timeout": Range(0, 86400), "threads": THREADS,
           "pipeline_parallel": Range(2, 2**16), "micro_batches": Range(1, 2**16),
@@ -112,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queued requests at most; beyond it requests get HTTP 429")
     p.add_argument("--token-budget", type=int, default=defaults.token_budget,
                    help="tokens computed per engine step (decodes plus prefill chunks), >= --max-running")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="while streams decode, at most N prompt tokens per step, so a long prompt delays each of "
+                   "their tokens by one N-token forward at most (default: the rest of --token-budget)")
+    p.add_argument("--wide-rows", type=int, default=None, metavar="ROWS",
+                   help="CPU: forwards of at least ROWS rows (decode rows, prefill tokens) run quantized and bf16 "
+                   "layers as float32 matrices dequantized once: faster for many rows, at the memory of that copy "
+                   "(default: off)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
     p.add_argument("--cache-window", type=int, default=None, metavar="W",
                    help="each sequence's KV cache rolls over W slots, keeping its first --sink-tokens positions "
@@ -222,6 +230,7 @@ def engine_config(args: argparse.Namespace, context: int) -> EngineConfig:
         num_blocks = max(EngineConfig.num_blocks, -(-context // args.block_size) + 1)
     return EngineConfig(block_size=args.block_size, num_blocks=num_blocks, max_running=args.max_running,
                         max_waiting=args.max_waiting, token_budget=args.token_budget,
+                        prefill_chunk=args.prefill_chunk, wide_rows=args.wide_rows,
                         prefix_caching=not args.no_prefix_caching and args.cache_window is None,
                         static_batching=args.static_batching, cache_window=args.cache_window,
                         sink_tokens=EngineConfig.sink_tokens if args.sink_tokens is None else args.sink_tokens)

@@ -10,13 +10,17 @@ compute-bound. bench.py measures this machine's bandwidth itself and reports how
   python bench.py --plan --shape llama-2-7b [--memory-gib 80] [--context 4096]
   python bench.py --json-schema schema.json --batch-size 1 16    # + what structured output's masking costs a step
   python bench.py --engine --batch-size 1 16 64 256 --compile    # the serving engine's decode steps per batch
+  python bench.py --engine --batch-size 1 8 32 --vs-generate [--wide-rows 16]  # + beside generate.py's step
+  python bench.py --engine --long-prompt 2000 --batch-size 4 --prefill-chunk 8  # streams' ITL, long prompt
   python bench.py --table out/*.json                             # the --json files of several runs as one table
 
 A mixture of experts (Mixtral) holds all E experts in memory but a batch-1 decode step reads only the k its token
 is routed to: its decode ceiling comes from those active bytes, its memory plan from all of them.
 """
 import argparse
+import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -329,7 +333,7 @@ class NoText:
 
 
 def engine_bench(model, step: Step, batch_sizes: list[int], prompt_len: int, new_tokens: int, runs: int,
-                 bandwidth: float) -> list[dict]:
+                 bandwidth: float, wide_rows: int | None = None) -> list[dict]:
     """The serving engine (continuous batching over the paged KV cache; with a CUDA-graph step, batches padded to
     buckets) decoding batch_size sequences together: each run submits that many random prompts at once, which the
     engine prefills in its first step and then decodes as one batch to the end. The median run's time to the first
@@ -339,7 +343,8 @@ def engine_bench(model, step: Step, batch_sizes: list[int], prompt_len: int, new
 
     largest, blocks_per_seq = max(batch_sizes), -(-(prompt_len + new_tokens) // 16)
     config = EngineConfig(block_size=16, num_blocks=1 + largest * blocks_per_seq, max_running=largest,
-                          max_waiting=largest, token_budget=largest * (prompt_len + 1), prefix_caching=False)
+                          max_waiting=largest, token_budget=largest * (prompt_len + 1), prefix_caching=False,
+                          wide_rows=wide_rows)
     engine = Engine(model, NoText(), config, step)
     params = SamplingParams(temperature=0)  # no end-of-sequence id: every sequence decodes new_tokens
     kv_per_token = engine.pool.bytes_per_token
@@ -366,6 +371,129 @@ def engine_bench(model, step: Step, batch_sizes: list[int], prompt_len: int, new
     for r in rows:
         r["step_vs_1"] = r["tpot_ms"] / rows[0]["tpot_ms"] if rows[0]["batch_size"] == 1 else None
     return rows
+
+
+def interleaved_steps(loops: dict, timer) -> dict:
+    """The median seconds (by timer) of each loop's steps, the loops stepped in turn (one step of each, then the
+    next round) so that a busy machine's slow spells fall on all of them alike; each loop's first item (the
+    prefill) and two more (warm-up) untimed; until the shortest loop ends."""
+    times = {name: [] for name in loops}
+    for loop in loops.values():
+        next(loop)
+    for i in itertools.count():
+        for name, loop in loops.items():
+            t0 = timer()
+            if next(loop, None) is None:
+                return {name: statistics.median(t[2:] or t) for name, t in times.items()}
+            times[name].append(timer() - t0)
+
+
+def engine_steps(engine, prompts: list[list[int]], new_tokens: int):
+    """Submit prompts to engine (greedy), then yield after each step while work remains (the first: the prefill)."""
+    from serving.contract import Request
+
+    for prompt in prompts:
+        engine.submit(Request(prompt, SamplingParams(temperature=0), new_tokens))
+    while engine.step():
+        yield True
+
+
+def step_vs_generate(model, step: Step, batch_sizes: list[int], prompt_len: int, new_tokens: int,
+                     wide_rows: int | None) -> list[dict]:
+    """One decode step's CPU time (this thread's: a busy machine takes the wall clock, not this) in generate.py's
+    loop (decode.generate, generate_batch for several rows) and in the engine's (Engine.step: its schedule, paged
+    cache, per-row sampling and events), the same rows, prompts and step; with wide_rows, the engine again with
+    EngineConfig.wide_rows. The median step of each."""
+    from serving.engine import Engine, EngineConfig
+
+    rows = []
+    for b in batch_sizes:
+        prompts = torch.randint(0, model.args.vocab_size, (b, prompt_len)).tolist()
+        greedy = SamplingParams(temperature=0)
+        loops = {"generate_ms": generate(model, prompts[0], max_new_tokens=new_tokens, params=greedy, step=step)
+                 if b == 1 else generate_batch(model, prompts, max_new_tokens=new_tokens, params=greedy, step=step)}
+        for key, wide in (("engine_ms", None), ("wide_ms", wide_rows)):
+            if key == "engine_ms" or wide is not None:
+                config = EngineConfig(num_blocks=1 + b * -(-(prompt_len + new_tokens) // 16), max_running=b,
+                                      token_budget=b * (prompt_len + 1), prefix_caching=False, wide_rows=wide)
+                loops[key] = engine_steps(Engine(model, NoText(), config, step), prompts, new_tokens)
+        times = interleaved_steps(loops, time.thread_time)
+        rows.append({"batch_size": b, **{key: t * 1e3 for key, t in times.items()}})
+    return rows
+
+
+def print_step_vs_generate(rows: list[dict], header: str) -> None:
+    print(header)
+    print("batch | generate.py step CPU ms | engine step CPU ms | engine / generate | wide engine step CPU ms | "
+          "wide / generate")
+    for r in rows:
+        wide = f"{r['wide_ms']:.1f} | {r['wide_ms'] / r['generate_ms']:.2f}x" if "wide_ms" in r else " | "
+        print(f"{r['batch_size']} | {r['generate_ms']:.1f} | {r['engine_ms']:.1f} | "
+              f"{r['engine_ms'] / r['generate_ms']:.2f}x | {wide}")
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """The q-th percentile (0-100) of samples, nearest rank."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def stream_gaps(model, step: Step, streams: int, prompt_len: int, new_tokens: int, long_len: int | None,
+                config) -> dict:
+    """`streams` greedy requests of new_tokens decoding in the engine; once each has its first token, a
+    long_len-token prompt arrives (None: none). Returns the streams' inter-token gaps (seconds of the engine
+    thread's CPU time and of the wall clock, from their second token on; with the long prompt, those while it is
+    prefilled) and the long prompt's time to its first token (CPU seconds)."""
+    from serving.contract import Request
+    from serving.engine import Engine
+
+    engine = Engine(model, NoText(), config, step)
+    stamps: dict[int, list[tuple[float, float]]] = {}  # request id -> (cpu, wall) at each token
+
+    def record(event) -> None:
+        stamps.setdefault(event.request_id, []).append((time.thread_time(), time.perf_counter()))
+
+    vocab = model.args.vocab_size
+    ids = [engine.submit(Request(torch.randint(0, vocab, (prompt_len,)).tolist(), SamplingParams(temperature=0),
+                                 new_tokens, on_event=record)) for _ in range(streams)]
+    while any(len(stamps.get(i, [])) < 2 for i in ids):  # every stream decodes
+        engine.step()
+    window, long_id = (time.thread_time(), math.inf), None
+    if long_len is not None:
+        long_id = engine.submit(Request(torch.randint(0, vocab, (long_len,)).tolist(), SamplingParams(temperature=0),
+                                        1, on_event=record))
+    while engine.step():
+        if long_id in stamps and window[1] == math.inf:
+            window = (window[0], stamps[long_id][0][0])
+    gaps = [(b[0] - a[0], b[1] - a[1]) for i in ids for a, b in zip(stamps[i][1:], stamps[i][2:])
+            if window[0] <= b[0] <= window[1]]
+    return {"cpu": [g[0] for g in gaps], "wall": [g[1] for g in gaps],
+            "ttft_s": None if long_id is None else window[1] - window[0]}
+
+
+def long_prompt_bench(model, step: Step, streams: int, prompt_len: int, long_len: int, config) -> list[dict]:
+    """The streams' inter-token latency (ITL) alone and while a long_len-token prompt is prefilled (stream_gaps),
+    p50 and p99, CPU time and wall clock."""
+    chunk = min(config.prefill_chunk or config.token_budget, config.token_budget - streams)
+    new_tokens = 8 + -(-long_len // chunk)  # the streams decode until the long prompt is in, and then some
+    rows = []
+    for case, n in (("alone", None), (f"+ {long_len}-token prompt", long_len)):
+        gaps = stream_gaps(model, step, streams, prompt_len, new_tokens, n, config)
+        rows.append({"case": case, "samples": len(gaps["cpu"]), "ttft_s": gaps["ttft_s"],
+                     **{f"itl_{clock}_p{q}_ms": percentile(gaps[clock], q) * 1e3 for clock in ("cpu", "wall")
+                        for q in (50, 99)}})
+    return rows
+
+
+def print_long_prompt(rows: list[dict], header: str) -> None:
+    print(header)
+    print("case | ITL samples | ITL p50 ms (CPU) | ITL p99 ms (CPU) | p99 / alone | ITL p50 ms (wall) | "
+          "ITL p99 ms (wall) | long prompt TTFT s (CPU)")
+    for r in rows:
+        ttft = "" if r["ttft_s"] is None else f"{r['ttft_s']:.2f}"
+        print(f"{r['case']} | {r['samples']} | {r['itl_cpu_p50_ms']:.1f} | {r['itl_cpu_p99_ms']:.1f} | "
+              f"{r['itl_cpu_p99_ms'] / rows[0]['itl_cpu_p99_ms']:.2f}x | {r['itl_wall_p50_ms']:.1f} | "
+              f"{r['itl_wall_p99_ms']:.1f} | {ttft}")
 
 
 def print_engine_table(rows: list[dict], header: str, bandwidth: float) -> None:
@@ -469,7 +597,9 @@ def cpu_class() -> str:
 RANGES = {"batch_size": Range(1, 4096), "prompt_len": Range(1, 2**20), "new_tokens": Range(2, 2**20),
           "runs": Range(1, 1000), "threads": THREADS, "memory_gib": Range(0, 2**20, above=True),
           "context": Range(1, 2**24), "bandwidth_gbs": Range(0, 1e6, above=True),
-          "peak_tflops": Range(0, 1e6, above=True), "kv_bytes": Range(0, 8, above=True)}
+          "peak_tflops": Range(0, 1e6, above=True), "kv_bytes": Range(0, 8, above=True),
+          "wide_rows": Range(1, 65536), "long_prompt": Range(2, 2**20), "prefill_chunk": Range(1, 2**24),
+          "token_budget": Range(1, 2**24)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -509,6 +639,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "print the ops that take the most time")
     p.add_argument("--engine", action="store_true", help="run the serving engine (engine.py) instead of "
                    "decode.generate: each --batch-size as that many sequences submitted at once and decoded together")
+    p.add_argument("--vs-generate", action="store_true", help="with --engine: also each batch's decode step in "
+                   "generate.py's loop and in the engine's, as CPU time (the engine's overhead, on a busy machine)")
+    p.add_argument("--wide-rows", type=int, default=None, metavar="ROWS", help="with --engine: the engine's "
+                   "EngineConfig.wide_rows (serve.py --wide-rows)")
+    p.add_argument("--long-prompt", type=int, default=None, metavar="N", help="with --engine: the first --batch-size "
+                   "streams' inter-token latency alone and while an N-token prompt arrives and is prefilled")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="with --engine: serve.py --prefill-chunk")
+    p.add_argument("--token-budget", type=int, default=256, help="with --long-prompt: serve.py --token-budget")
     p.add_argument("--table", nargs="+", default=None, metavar="JSON",
                    help="print the --json files of earlier runs as one table, and nothing else")
     p.add_argument("--quiet", action="store_true")
@@ -557,10 +696,40 @@ def check_args(args: argparse.Namespace) -> None:
     if args.llama_bench and (args.shape or args.plan):
         raise ValueError("--llama-bench runs llama.cpp on the same GGUF file: pass --model (or its default), not "
                          "--shape or --plan")
+    engine_only = [f for f in ("vs_generate", "wide_rows", "long_prompt", "prefill_chunk") if getattr(args, f)]
+    if engine_only and not args.engine:
+        raise ValueError(f"--{engine_only[0].replace('_', '-')} needs --engine")
     if args.engine and (len(args.prompt_len) > 1 or args.llama_bench or args.json_schema or args.deterministic
                         or args.profile):
         raise ValueError("--engine takes one --prompt-len, and not --llama-bench, --json-schema, --deterministic or "
                          "--profile")
+
+
+def long_prompt_config(args: argparse.Namespace):
+    """--long-prompt's engine: room for the streams and the long prompt, their blocks all in the pool."""
+    from serving.engine import EngineConfig
+
+    streams = args.batch_size[0]
+    blocks = streams * -(-(args.prompt_len[0] + args.long_prompt) // 16) + -(-args.long_prompt // 16) + 2
+    return EngineConfig(block_size=16, num_blocks=blocks, max_running=streams + 1, token_budget=args.token_budget,
+                        prefill_chunk=args.prefill_chunk, wide_rows=args.wide_rows, prefix_caching=False)
+
+
+def run_engine(args: argparse.Namespace, model, step: Step, header: str, bandwidth: float) -> list[dict]:
+    """--engine's runs and tables: the long-prompt case, or the step per batch (and beside generate.py's)."""
+    if args.long_prompt:
+        rows = long_prompt_bench(model, step, args.batch_size[0], args.prompt_len[0], args.long_prompt,
+                                 long_prompt_config(args))
+        print_long_prompt(rows, f"engine, {args.batch_size[0]} streams, prefill chunk "
+                          f"{args.prefill_chunk or 'unset'} (token budget {args.token_budget}): {header}")
+        return rows
+    rows = engine_bench(model, step, args.batch_size, args.prompt_len[0], args.new_tokens, args.runs, bandwidth,
+                        args.wide_rows)
+    print_engine_table(rows, f"engine: {header}", bandwidth)
+    if args.vs_generate:
+        costs = step_vs_generate(model, step, args.batch_size, args.prompt_len[0], args.new_tokens, args.wide_rows)
+        print_step_vs_generate(costs, "one decode step, generate.py's loop against the engine's")
+    return rows
 
 
 def run(args: argparse.Namespace) -> None:
@@ -595,11 +764,11 @@ def run(args: argparse.Namespace) -> None:
     header = (f"{name} | {device.type} {str(dtype).removeprefix('torch.')}{threads} | "
               f"weights {describe(model)} | "
               f"{'eager' if step.mode == 'none' else 'compiled: ' + step.mode}"
-              f"{', deterministic' if step.deterministic else ''} | {args.new_tokens} new tokens, "
-              f"median of {args.runs}")
+              f"{', deterministic' if step.deterministic else ''}")
+    if not args.long_prompt:
+        header += f" | {args.new_tokens} new tokens, median of {args.runs}"
     if args.engine:
-        rows = engine_bench(model, step, args.batch_size, args.prompt_len[0], args.new_tokens, args.runs, bandwidth)
-        print_engine_table(rows, f"engine: {header}", bandwidth)
+        rows = run_engine(args, model, step, header, bandwidth)
     else:
         rows = [bench(model, device, b, p, args.new_tokens, args.runs, step, bandwidth, peak_tflops)
                 for b in args.batch_size for p in args.prompt_len]

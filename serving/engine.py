@@ -35,6 +35,7 @@ from decode import check_request, check_step
 from features.constraint import Grammar
 from kvcache import BlockPool, PagedKVCache
 from model import Transformer
+from ops.wide import wide_model
 from params import SamplingParams, Token
 from serving.choices import Choice, Outputs, score_prompt
 from serving.contract import Event, Request
@@ -79,6 +80,10 @@ def check(request: Request, context: int, cfg: EngineConfig) -> None:
 class Engine:
     def __init__(self, model: Transformer, tokenizer, config: EngineConfig = EngineConfig(),
                  step: Step | None = None):
+        if config.prefill_chunk is not None and config.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {config.prefill_chunk}")
+        if config.wide_rows is not None and config.wide_rows < 1:
+            raise ValueError(f"wide_rows must be >= 1, got {config.wide_rows}")
         if config.token_budget < config.max_running:
             raise ValueError(f"token_budget ({config.token_budget}) must be >= max_running ({config.max_running}): "
                              "every running sequence decodes one token per step")
@@ -92,6 +97,7 @@ class Engine:
         self.decode_step = check_step(step, model)  # eager, or compiled (step.Step)
         weight = model.embed_tokens.weight
         self.device = weight.device
+        self.wide_step = self._wide_step(config.wide_rows)  # the forwards of many rows, or None
         self.buckets = self.decode_step.cuda_graphs if config.bucket_batches is None else config.bucket_batches
         self.max_width = -(-model.args.max_seq_len // config.block_size)  # blocks a sequence holds at most
         self.pool = BlockPool.for_model(model.args, config.num_blocks, config.block_size, weight.dtype, self.device)
@@ -104,6 +110,21 @@ class Engine:
         self.wake = threading.Condition(self.lock)
         self.ids = itertools.count()
         self.outputs = Outputs(model, tokenizer, self.scheduler)  # the requests taken in, not ended
+
+    def _wide_step(self, wide_rows: int | None) -> Step | None:
+        """An eager Step over ops.wide's float32 view of the model, for forwards of at least wide_rows rows (tokens);
+        None when not asked for or when the model has no layer it widens."""
+        if wide_rows is None:
+            return None
+        if self.device.type != "cpu" or self.decode_step.deterministic:
+            raise ValueError("wide_rows (--wide-rows) is a CPU path for the default (not --deterministic) forwards")
+        wide = wide_model(self.model)
+        return None if wide is None else Step(wide)
+
+    def _step_for(self, rows: int) -> Step:
+        """The step that computes a forward of this many rows (decode rows, or a chunk's tokens)."""
+        wide = self.wide_step is not None and rows >= self.config.wide_rows
+        return self.wide_step if wide else self.decode_step
 
     # ---- the thread-safe side ----
 
@@ -222,12 +243,14 @@ class Engine:
                     width = bucket(max(width, 2), self.max_width)  # >= 2, which Dynamo keeps symbolic (below)
             tokens = torch.tensor([r[0] for r in rows], device=self.device)  # (B, 1)
             pos = torch.tensor([r[1] for r in rows], device=self.device)  # (B, 1) per-row positions
+            if len(rows) == 1:  # one row: positions shared by the batch, (T,), the model's cheaper path
+                pos = pos[0]  # (1,)
             tables = self._tables([r[2] for r in rows], width)  # (B, N)
             if self.buckets:  # symbolic sizes from the first compile: one graph for one row and one for the rest,
                 for t, dim in ((tokens, 0), (pos, 0), (tables, 0), (tables, 1)):  # not a recompile for each size
                     torch._dynamo.maybe_mark_dynamic(t, dim)  # that changes (a size of 1 is specialized anyway)
             try:
-                logits = self.decode_step(tokens, pos, self._cache(tables))  # (B, V)
+                logits = self._step_for(len(decodes))(tokens, pos, self._cache(tables))  # (B, V)
                 if self.decode_step.cuda_graphs:
                     logits = logits[:len(decodes)].clone()  # the next replay reuses this output buffer
             except Exception as e:
@@ -251,8 +274,8 @@ class Engine:
         tokens = torch.tensor([seq.tokens[start:start + n]], device=self.device)  # (1, n)
         pos = torch.arange(start, start + n, device=self.device)
         try:  # (1, V), or (1, n, V) when scoring
-            logits = self.decode_step(tokens, pos, self._cache(self._tables([seq.blocks], len(seq.blocks))),
-                                      all_logits=scoring, prefill=True)
+            logits = self._step_for(n)(tokens, pos, self._cache(self._tables([seq.blocks], len(seq.blocks))),
+                                       all_logits=scoring, prefill=True)
         except Exception as e:
             self.outputs.fail(seq, e)
             return None

@@ -33,6 +33,9 @@ class EngineConfig:
     max_running: int = 32  # sequences decoded together at most
     max_waiting: int = 256  # submit() raises QueueFull beyond this many queued sequences
     token_budget: int = 256  # tokens computed per step: the decodes plus prefill chunks
+    # While sequences decode, at most this many prompt tokens a step (chunked prefill): a step's time, and so the
+    # running streams' time between tokens, grows by one chunk's forward at most. None: the token budget's rest.
+    prefill_chunk: int | None = None
     watermark: float = 0.01  # admit only while this share of the blocks would stay free
     prefix_caching: bool = True
     static_batching: bool = False  # admit only into an empty running set: the old way, for comparison
@@ -42,6 +45,10 @@ class EngineConfig:
     # compiled step sees few shapes: with CUDA graphs, one graph is captured per bucket and replayed. None: when
     # the step runs CUDA graphs (compiled "full" on a GPU).
     bucket_batches: bool | None = None
+    # Forwards of at least this many rows (a decode batch's rows, a prefill chunk's tokens) run the model's
+    # quantized and bf16 layers as float32 matrices dequantized once (ops/wide.py): on CPU the faster product for
+    # many rows, at the memory of that copy, and rounded otherwise than one row alone. None: off.
+    wide_rows: int | None = None
 
     def max_len(self, context: int) -> int:
         """The positions a sequence may fill: the model's context; unbounded through a rolling cache."""
@@ -250,10 +257,11 @@ class Scheduler:
     def _plan(self) -> tuple[list[Seq], list[tuple[Seq, int]]]:
         """Every sequence in decode gets its token, then prefill chunks fill the budget. Blocks are allocated here;
         a sequence that cannot get one preempts the newest running sequence."""
-        budget = self.config.token_budget
         decodes = [s for s in self.running if len(s.tokens) - s.n_computed == 1]
         chunks = []
-        budget -= len(decodes)
+        budget = self.config.token_budget - len(decodes)
+        if decodes and self.config.prefill_chunk is not None:  # streams are running: keep their steps short
+            budget = min(budget, self.config.prefill_chunk)
         for seq in self.running:
             need = len(seq.tokens) - seq.n_computed
             if need > 1 and budget > 0:

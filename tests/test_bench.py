@@ -153,3 +153,30 @@ def test_mask_cost_walks_the_grammar():
     grammar = Compiler(toy, 16).compile(Constraint("regex", "[0-9]{2}"))
     cost = bench.mask_cost(grammar, 16, 3, 7, torch.device("cpu"))
     assert set(cost) == {"batched", "per_row"} and min(cost.values()) > 0
+
+
+def test_step_vs_generate_and_the_long_prompt_case(tiny):
+    """--vs-generate: a decode step's CPU time in generate.py's loop and the engine's, per batch (and the wide
+    engine's with --wide-rows, here an int4 copy); --long-prompt: the streams' ITL alone and while a long prompt is
+    prefilled in chunks of --prefill-chunk, whose gaps all fall in that prefill."""
+    import copy
+
+    from quantize import quantize_model
+    from serving.engine import EngineConfig
+    from step import Step
+
+    model = quantize_model(copy.deepcopy(tiny), "int4:32")
+    rows = bench.step_vs_generate(model, Step(model), [1, 3], 6, 8, wide_rows=2)
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    assert all(r["generate_ms"] > 0 and r["engine_ms"] > 0 and r["wide_ms"] > 0 for r in rows)
+    config = EngineConfig(block_size=4, num_blocks=64, max_running=3, token_budget=16, prefill_chunk=5)
+    alone, loaded = bench.long_prompt_bench(tiny, Step(tiny), 2, 4, 40, config)
+    assert alone["ttft_s"] is None and loaded["ttft_s"] > 0
+    # 40 tokens in chunks of 5: 8 steps, each a gap of both streams (the last one's gap ends with the first token)
+    assert loaded["samples"] == 2 * 8 and alone["samples"] == 2 * (8 + 40 // 5 - 2)
+    assert alone["itl_cpu_p50_ms"] <= alone["itl_cpu_p99_ms"]
+
+
+def test_percentile_is_nearest_rank():
+    assert bench.percentile([3, 1, 2, 4], 50) == 2 and bench.percentile([3, 1, 2, 4], 99) == 4
+    assert bench.percentile(list(range(1, 101)), 99) == 99 and bench.percentile([7], 1) == 7

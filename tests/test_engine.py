@@ -42,6 +42,8 @@ CONFIGS = {
                                     static_batching=True),
     # decode batches padded to 1, 2, 4, 8 or 12 rows and power-of-two block-table widths (as for CUDA graphs)
     "buckets": EngineConfig(block_size=4, num_blocks=200, max_running=12, token_budget=24, bucket_batches=True),
+    # while any sequence decodes, at most 3 prompt tokens a step (a prompt alone still takes the budget)
+    "prefill-chunk": EngineConfig(block_size=4, num_blocks=200, max_running=16, token_budget=64, prefill_chunk=3),
 }
 
 
@@ -150,6 +152,68 @@ def test_engine_runs_the_step_it_is_given(model):
     eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=60), step=step)
     assert [c.tokens for c in eng.generate(prompts, max_new_tokens=6)] == [greedy_ids(model, p, 6) for p in prompts]
     assert (1, 5) in shapes and (1, 11) in shapes and (2, 1) in shapes  # two prefills, then decodes together
+
+
+def test_a_steps_prefill_tokens_respect_the_chunk_budget(model, monkeypatch):
+    """With prefill_chunk, a step that decodes computes at most that many prompt tokens (a step with no decodes
+    takes the token budget), and the tokens are an unchunked run's."""
+    plans = []
+    schedule = scheduler.Scheduler.schedule
+
+    def recording(self):
+        decodes, chunks = schedule(self)
+        plans.append((len(decodes), sum(n for _, n in chunks)))
+        return decodes, chunks
+
+    monkeypatch.setattr(scheduler.Scheduler, "schedule", recording)
+    prompts = random_prompts([6, 50, 3, 70])
+    unchunked = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=200))
+    expected = unchunked.generate(prompts, max_new_tokens=12)
+    plans.clear()
+    eng = Engine(model, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=200, token_budget=32, prefill_chunk=5))
+    assert [c.tokens for c in eng.generate(prompts, max_new_tokens=12)] == [c.tokens for c in expected]
+    assert all(prefill <= 5 for decodes, prefill in plans if decodes)
+    assert (0, 32) in plans  # the first step: no stream yet, the budget's prefill
+    assert sum(prefill for _, prefill in plans) == sum(map(len, prompts))  # each prompt token computed once
+    assert sum(1 for decodes, prefill in plans if decodes and prefill == 5) >= 12  # the 70-token prompt, 5 a step
+
+
+def test_bad_chunk_and_wide_settings(model):
+    for field, value in (("prefill_chunk", 0), ("wide_rows", 0)):
+        with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
+            Engine(model, ToyTokenizer(), EngineConfig(**{field: value}))
+
+
+def test_wide_rows_run_the_dequantized_copy_and_answer_as_the_kernels(model):
+    """wide_rows: decode batches of that many rows and prefill chunks of that many tokens run ops.wide's float32
+    copy of an int4 model's layers (its tensors otherwise the model's own); its logits are the kernel path's within
+    the kernel's bf16 activation rounding, and its greedy tokens are the same."""
+    from ops.wide import WideLinear, wide_model
+    from quantize import Int4Linear, quantize_model
+
+    q = quantize_model(copy.deepcopy(model), "int4:32")
+    assert wide_model(model) is None  # a float32 model: nothing to widen
+    wide = wide_model(q)
+    assert not any(isinstance(m, Int4Linear) for m in wide.modules())
+    assert sum(isinstance(m, WideLinear) for m in wide.modules()) == sum(isinstance(m, Int4Linear) for m in q.modules())
+    assert wide.embed_tokens.weight is q.embed_tokens.weight and wide.norm.weight is q.norm.weight
+    tokens = torch.tensor(random_prompts([12, 12, 12], seed=3))  # (3, 12)
+    want, got = (m(tokens, torch.arange(12), None, all_logits=True) for m in (q, wide))
+    assert (got - want).abs().max() < 0.05 * want.abs().max()  # bf16 activations in the kernel
+    rows = []  # (whether the wide copy ran it, rows x tokens)
+
+    class Recording(Step):
+        def __call__(self, tokens, input_pos, cache, all_logits=False, prefill=False):
+            rows.append((self.model is not q, tokens.numel()))
+            return super().__call__(tokens, input_pos, cache, all_logits, prefill)
+
+    prompts = random_prompts([5, 11, 2, 7], seed=4)
+    expected = [greedy_ids(q, p, 10) for p in prompts]
+    eng = Engine(q, ToyTokenizer(), EngineConfig(block_size=4, num_blocks=80, wide_rows=3), step=Recording(q))
+    eng.wide_step = Recording(eng.wide_step.model)
+    assert [c.tokens for c in eng.generate(prompts, max_new_tokens=10)] == expected
+    assert all(is_wide == (n >= 3) for is_wide, n in rows)
+    assert {n for is_wide, n in rows if is_wide} == {4, 5, 7, 11} and (False, 2) in rows  # decodes of 4 rows
 
 
 def test_stop_eos_and_max_tokens(model):

@@ -103,32 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"dev/LOG.md). {COMPILE_HELP}")
     p.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     add_parallel_flags(p)
-    p.add_argument("--block-size", type=int, default=defaults.block_size, help="positions per KV block")
-    p.add_argument("--num-blocks", type=num_blocks_arg, default="auto",
-                   help="KV blocks in the pool, block 0 (padding) included (default auto: one sequence of the "
-                   f"model's whole context fits, and at least {defaults.num_blocks})")
-    p.add_argument("--max-running", type=int, default=defaults.max_running,
-                   help="sequences decoded together at most")
-    p.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
-                   help="queued requests at most; beyond it requests get HTTP 429")
-    p.add_argument("--token-budget", type=int, default=defaults.token_budget,
-                   help="tokens computed per engine step (decodes plus prefill chunks), >= --max-running")
-    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="while streams decode, at most N prompt tokens per step, so a long prompt delays each of "
-                   "their tokens by one N-token forward at most (default: the rest of --token-budget)")
-    p.add_argument("--wide-rows", type=int, default=None, metavar="ROWS",
-                   help="CPU: forwards of at least ROWS rows (decode rows, prefill tokens) run quantized and bf16 "
-                   "layers as float32 matrices dequantized once: faster for many rows, at the memory of that copy "
-                   "(default: off)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
-    p.add_argument("--cache-window", type=int, default=None, metavar="W",
-                   help="each sequence's KV cache rolls over W slots, keeping its first --sink-tokens positions "
-                   "(attention sinks, as generate.py): constant memory per sequence, and --max-model-len may pass "
-                   "the model's context; turns prefix caching off")
-    p.add_argument("--sink-tokens", type=int, default=None, metavar="S",
-                   help=f"with --cache-window: the opening positions never evicted (default {defaults.sink_tokens})")
-    p.add_argument("--static-batching", action="store_true",
-                   help="admit a new batch only when the running one has finished (for comparison)")
+    add_engine_flags(p.add_argument_group("the engine"), defaults)
     add_access_flags(p.add_argument_group("access and limits"), serving)
     add_role_flags(p.add_argument_group("disaggregated prefill/decode (serving/disagg.py)"))
     add_answer_flags(p.add_argument_group("how answers are read and shaped"), serving)
@@ -137,6 +112,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar, no startup line, no access log")
     p.add_argument("--version", action="version", version=version_line())
     return p
+
+
+def add_engine_flags(g: argparse._ArgumentGroup, defaults: EngineConfig) -> None:
+    """The KV pool, the batch and the step's budget (serving/scheduler.py's EngineConfig)."""
+    g.add_argument("--block-size", type=int, default=defaults.block_size, help="positions per KV block")
+    g.add_argument("--num-blocks", type=num_blocks_arg, default="auto",
+                   help="KV blocks in the pool, block 0 (padding) included (default auto: one sequence of the "
+                   f"model's whole context fits, and at least {defaults.num_blocks})")
+    g.add_argument("--max-running", type=int, default=defaults.max_running,
+                   help="sequences decoded together at most")
+    g.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
+                   help="queued requests at most; beyond it requests get HTTP 429")
+    g.add_argument("--token-budget", type=int, default=defaults.token_budget,
+                   help="tokens computed per engine step (decodes plus prefill chunks), >= --max-running")
+    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="while streams decode, at most N prompt tokens per step, so a long prompt delays each of "
+                   "their tokens by one N-token forward at most (default: the rest of --token-budget)")
+    g.add_argument("--wide-rows", type=int, default=None, metavar="ROWS",
+                   help="CPU: forwards of at least ROWS rows (decode rows, prefill tokens) run quantized and bf16 "
+                   "layers as float32 matrices dequantized once: faster for many rows, at the memory of that copy "
+                   "(default: off)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
+    g.add_argument("--cache-window", type=int, default=None, metavar="W",
+                   help="each sequence's KV cache rolls over W slots, keeping its first --sink-tokens positions "
+                   "(attention sinks, as generate.py): constant memory per sequence, and --max-model-len may pass "
+                   "the model's context; turns prefix caching off")
+    g.add_argument("--sink-tokens", type=int, default=None, metavar="S",
+                   help=f"with --cache-window: the opening positions never evicted (default {defaults.sink_tokens})")
+    g.add_argument("--static-batching", action="store_true",
+                   help="admit a new batch only when the running one has finished (for comparison)")
 
 
 def add_access_flags(g: argparse._ArgumentGroup, serving: ServeConfig) -> None:

@@ -102,3 +102,15 @@ def rank_device(rank: int, device: str) -> str:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     return f"cuda:{rank}"
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM a server process (it drains and exits), SIGKILL it after 40 s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=40)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -6,7 +6,6 @@ served exactly; the wire's block packing round-trips. The fast tests run the wor
 the slow ones run `serve.py --role prefill` and `--role decode` as two processes over HTTP."""
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from helpers import ROOT, ToyTokenizer
+from helpers import ROOT, ToyTokenizer, stop_server
 from kvcache import BlockPool
 from params import SamplingParams
 from serving import disagg
@@ -403,16 +402,6 @@ def wait_for_workers(url: str, procs: list, n: int = 1) -> None:
         time.sleep(0.2)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def colocated(smollm2_gguf, smollm2_tokenizer):
     """The co-located engine over SmolLM2 as serve.py loads it (float32, the file's codes), its default pool, batch
@@ -475,8 +464,8 @@ def test_two_processes_answer_16_concurrent_requests_as_colocated(smollm2_gguf, 
         assert got == [(200, w) for w in want]
         assert health(url)["engine"]["kv_bytes_received"] > sum(map(len, prompts)) * 46080 * 0.9  # 45 KiB a token
     finally:
-        stop(prefill)
-        stop(decode)
+        stop_server(prefill)
+        stop_server(decode)
 
 
 @pytest.mark.slow
@@ -514,5 +503,5 @@ def test_killing_the_prefill_worker_mid_transfer_fails_only_its_request(smollm2_
         assert post(url, "/v1/completions", {"prompt": long, "max_tokens": 40, "temperature": 0}) == (200, want_long)
         assert health(url)["engine"]["blocks_used"] == 0
     finally:
-        stop(prefill)
-        stop(decode)
+        stop_server(prefill)
+        stop_server(decode)

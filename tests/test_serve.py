@@ -26,6 +26,7 @@ import pytest
 
 from scripts import loadtest
 from decode import generate
+from helpers import stop_server
 from serving.engine import Engine, EngineConfig, Request
 from serving.gate import FD_RESERVE, MAX_HEAD_BYTES, MAX_HEADERS, QuietLoopErrors, ServeConfig, use_file_descriptors
 from serve import API_KEY_ENV, check_flags, engine_config, parse_args, serve_config
@@ -66,17 +67,6 @@ def start_server(gguf: str, *flags: str) -> tuple[subprocess.Popen, str]:
                 return proc, url
         except httpx.TransportError:
             time.sleep(0.2)
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=40)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from config import ModelArgs
 from features import tp
-from kvcache import BlockPool, Int8LayerKVCache, KVCache, LayerKVCache, PagedKVCache, PagedLayer
+from kvcache import BlockPool, Int8LayerKVCache, KVCache, LayerKVCache, PagedKVCache, PagedLayer, Slots
 from model import Linear, Transformer
 
 FORWARD, STOP = 1, 0  # what rank 0's PipelineStep tells the other stages
@@ -170,8 +170,9 @@ def rows_of(layer_cache, start: int, stop: int):
     """A layer's cache seen by rows [start, stop) of its batch: views of its buffers (writes go through) or of its
     block tables; None for a cache kind it cannot slice (a rolling cache: the forward runs as one micro-batch)."""
     view = copy.copy(layer_cache)
-    if isinstance(layer_cache, PagedLayer):
+    if isinstance(layer_cache, PagedLayer):  # its write slots from its own rows (a Slots memo is per table)
         view.tables = layer_cache.tables[start:stop]  # (b, N)
+        view.where = Slots(view.tables, layer_cache.block_size)
     elif isinstance(layer_cache, (LayerKVCache, Int8LayerKVCache)):
         for name, t in vars(layer_cache).items():
             if isinstance(t, torch.Tensor):

@@ -9,6 +9,7 @@ import pytest
 
 from features.reasoning import HARMONY, ReasoningParser, Tags, detect_tags, opens_thinking, tags_named
 from serving.answer import Answer
+from helpers import stream_pieces
 from serving.contract import Event
 from serving.protocol import BadRequest, parse_request
 
@@ -176,14 +177,6 @@ HARMONY_PIECES = ["<|channel|>", "analysis", "<|message|>", "The user ", "greets
                   "assistant", "<|channel|>", "final", "<|message|>", "Hello!"]
 
 
-def harmony_lines(answer, pieces: list[str]) -> list[str]:
-    lines = answer.opening()
-    for k, piece in enumerate(pieces):
-        last = k == len(pieces) - 1
-        lines += answer.add(0, Event(0, piece, [k], last, "eos" if last else None, 9, k + 1, 0))
-    return lines
-
-
 def sse(lines: list[str]) -> list[tuple[str, dict]]:
     """(event name, data) of Messages' and Responses' stream lines."""
     return [(n.removeprefix("event: "), json.loads(d.removeprefix("data: ")))
@@ -208,7 +201,7 @@ def test_harmony_answers_through_chat_messages_and_responses(smollm2_tokenizer):
     body = {"model": "m", "max_tokens": 60, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     call = parse_messages(json.dumps(body).encode(), tok, **LIMITS, **grammar, reasoning=HARMONY)
     answer = MessagesAnswer(call, tok, "m")
-    deltas = [d["delta"] for n, d in sse(harmony_lines(answer, HARMONY_PIECES)) if n == "content_block_delta"]
+    deltas = [d["delta"] for n, d in sse(stream_pieces(answer, HARMONY_PIECES)) if n == "content_block_delta"]
     assert "".join(d.get("thinking", "") for d in deltas) == "The user greets."
     assert answer.body()["content"] == [{"type": "thinking", "thinking": "The user greets.", "signature": ""},
                                         {"type": "text", "text": "Hello!"}]
@@ -217,7 +210,7 @@ def test_harmony_answers_through_chat_messages_and_responses(smollm2_tokenizer):
     call = parse_responses(json.dumps({"model": "m", "input": "hi", "stream": True}).encode(), tok, store, **LIMITS,
                            **grammar, reasoning=HARMONY)
     answer = ResponsesAnswer(call, tok, "m", store)
-    output = sse(harmony_lines(answer, HARMONY_PIECES))[-1][1]["response"]["output"]
+    output = sse(stream_pieces(answer, HARMONY_PIECES))[-1][1]["response"]["output"]
     assert [o["type"] for o in output] == ["reasoning", "message"]
     assert output[0]["content"] == [{"type": "reasoning_text", "text": "The user greets."}]
     assert output[1]["content"][0]["text"] == "Hello!"

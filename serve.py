@@ -98,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", default=None, metavar="MODE",
                    help="weight-only quantization while loading: int8, int4 or int4:GROUP (as generate.py)")
     p.add_argument("--compile", nargs="?", const="full", default="none", choices=COMPILE_MODES,
-                   help="how the engine's decode steps run, as generate.py --compile (default none here: a compiled "
-                   "block measured no faster in the engine, and each new batch shape compiles during a request; "
-                   f"dev/LOG.md). {COMPILE_HELP}")
+                   help="how the engine's decode steps run, as generate.py --compile (default none here); a "
+                   "compiled step compiles before the server listens, one graph for one row and one for more "
+                   f"(their sizes symbolic). {COMPILE_HELP}")
     p.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     add_parallel_flags(p)
     add_engine_flags(p.add_argument_group("the engine"), defaults)
@@ -296,8 +296,22 @@ def make_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
         return engine
     step = Step(model, args.compile, deterministic=args.deterministic)
     if args.role == "decode":
-        return DecodeEngine(model, tokenizer, config, step, args.kv_address, args.api_key, args.kv_timeout)
-    return Engine(model, tokenizer, config, step)
+        engine = DecodeEngine(model, tokenizer, config, step, args.kv_address, args.api_key, args.kv_timeout)
+    else:
+        engine = Engine(model, tokenizer, config, step)
+    compile_steps(engine, args.quiet)
+    return engine
+
+
+def compile_steps(engine: Engine, quiet: bool) -> None:
+    """A compiled engine's graphs, made before the server listens (Engine.warm_up): no request waits for one."""
+    t0 = time.perf_counter()
+    if not quiet and engine.dynamic:
+        print(f"compiling the decode step ({engine.decode_step.mode}) ...", file=sys.stderr, flush=True)
+    rows = engine.warm_up()
+    if not quiet and rows:
+        print(f"compiled the decode step for {', '.join(map(str, rows))} rows (symbolic from 2) in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
 def context_of(args: argparse.Namespace, model) -> int:

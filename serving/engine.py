@@ -99,6 +99,8 @@ class Engine:
         self.device = weight.device
         self.wide_step = self._wide_step(config.wide_rows)  # the forwards of many rows, or None
         self.buckets = self.decode_step.cuda_graphs if config.bucket_batches is None else config.bucket_batches
+        # A compiled step sees its decode batches' sizes as symbolic (one graph for one row, one for the rest)
+        self.dynamic = self.buckets or self.decode_step.mode != "none"
         self.max_width = -(-model.args.max_seq_len // config.block_size)  # blocks a sequence holds at most
         self.pool = BlockPool.for_model(model.args, config.num_blocks, config.block_size, weight.dtype, self.device)
         self.blocks = BlockManager(self.pool, config.prefix_caching, config.cache_window, config.sink_tokens)
@@ -119,7 +121,7 @@ class Engine:
         if self.device.type != "cpu" or self.decode_step.deterministic:
             raise ValueError("wide_rows (--wide-rows) is a CPU path for the default (not --deterministic) forwards")
         wide = wide_model(self.model)
-        return None if wide is None else Step(wide)
+        return None if wide is None else Step(wide, self.decode_step.mode)  # compiled as the narrow step is
 
     def _step_for(self, rows: int) -> Step:
         """The step that computes a forward of this many rows (decode rows, or a chunk's tokens)."""
@@ -235,24 +237,8 @@ class Engine:
         its rows (they cannot be told apart), and the engine serves on."""
         ready = []
         if decodes:
-            rows = [([s.tokens[-1]], [s.n_computed], s.blocks) for s in decodes]  # token, position, block table
-            width = max(len(s.blocks) for s in decodes)
-            if self.buckets:  # padding rows: token 0 at position 0 in block 0, the pool's never-read pad block
-                rows += [([0], [0], [])] * (bucket(len(rows), self.config.max_running) - len(rows))
-                if self.window is None:  # (a rolling cache's width is bounded by its window already)
-                    width = bucket(max(width, 2), self.max_width)  # >= 2, which Dynamo keeps symbolic (below)
-            tokens = torch.tensor([r[0] for r in rows], device=self.device)  # (B, 1)
-            pos = torch.tensor([r[1] for r in rows], device=self.device)  # (B, 1) per-row positions
-            if len(rows) == 1:  # one row: positions shared by the batch, (T,), the model's cheaper path
-                pos = pos[0]  # (1,)
-            tables = self._tables([r[2] for r in rows], width)  # (B, N)
-            if self.buckets:  # symbolic sizes from the first compile: one graph for one row and one for the rest,
-                for t, dim in ((tokens, 0), (pos, 0), (tables, 0), (tables, 1)):  # not a recompile for each size
-                    torch._dynamo.maybe_mark_dynamic(t, dim)  # that changes (a size of 1 is specialized anyway)
             try:
-                logits = self._step_for(len(decodes))(tokens, pos, self._cache(tables))  # (B, V)
-                if self.decode_step.cuda_graphs:
-                    logits = logits[:len(decodes)].clone()  # the next replay reuses this output buffer
+                logits = self._decode([([s.tokens[-1]], [s.n_computed], s.blocks) for s in decodes])  # (B, V)
             except Exception as e:
                 for seq in decodes:
                     self.outputs.fail(seq, e)
@@ -265,6 +251,46 @@ class Engine:
             if logits is not None:
                 ready.append((seq, logits))
         return ready
+
+    def _decode(self, rows: list[tuple[list[int], list[int], list[int]]]) -> torch.Tensor:
+        """One decode forward of rows (token, position, block table) -> their logits (B, V)."""
+        n, width = len(rows), max(len(r[2]) for r in rows)
+        if self.dynamic and self.window is None:  # (a rolling cache's width is bounded by its window already)
+            width = max(width, 2)  # >= 2, which Dynamo keeps symbolic (below)
+            if self.buckets:
+                width = bucket(width, self.max_width)
+        if self.buckets:  # padding rows: token 0 at position 0 in block 0, the pool's never-read pad block
+            rows = rows + [([0], [0], [])] * (bucket(n, self.config.max_running) - n)
+        tokens = torch.tensor([r[0] for r in rows], device=self.device)  # (B, 1)
+        pos = torch.tensor([r[1] for r in rows], device=self.device)  # (B, 1) per-row positions
+        if len(rows) == 1:  # one row: positions shared by the batch, (T,), the model's cheaper path
+            pos = pos[0]  # (1,)
+        tables = self._tables([r[2] for r in rows], width)  # (B, N)
+        if self.dynamic:  # symbolic sizes from the first compile: one graph for one row and one for the rest,
+            for t, dim in ((tokens, 0), (pos, 0), (tables, 0), (tables, 1)):  # not a recompile for each size
+                torch._dynamo.maybe_mark_dynamic(t, dim)  # that changes (a size of 1 is specialized anyway)
+        logits = self._step_for(n)(tokens, pos, self._cache(tables))  # (B, V)
+        if self.decode_step.cuda_graphs:
+            logits = logits[:n].clone()  # the next replay reuses this output buffer
+        return logits
+
+    @torch.inference_mode()
+    def warm_up(self) -> list[int]:
+        """Compile (capture) the decode step's graphs before the first request, so that none waits for one: one row,
+        then more, each at two block-table widths and row counts, after which Dynamo keeps the sizes that changed
+        symbolic; the wide step's likewise; with buckets, every power of two up to max_running. Every row writes
+        token 0 at position 0 of the pad block, which no sequence reads. Returns the row counts run."""
+        if not self.dynamic:
+            return []
+        cap = self.config.max_running
+        shapes = [(1, 2), (1, 3), (min(2, cap), 2), (min(3, cap), 3)]  # (rows, blocks)
+        if self.buckets:
+            shapes += [(bucket(n, cap), 2) for n in range(1, cap + 1)]
+        if self.wide_step is not None and self.config.wide_rows <= cap:
+            shapes += [(self.config.wide_rows, 2), (min(self.config.wide_rows + 1, cap), 3)]
+        for rows, width in shapes:
+            self._decode([([0], [0], [0] * width)] * rows)
+        return sorted({rows for rows, _ in shapes})
 
     def _run_chunk(self, seq: Choice, n: int) -> torch.Tensor | None:
         """Compute n more of seq's tokens; the (1, V) logits after them once all its tokens are in. While the

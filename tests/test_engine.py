@@ -102,6 +102,48 @@ def test_a_compiled_step_on_buckets_matches_eager_and_compiles_twice(model, monk
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["full", "blocks"])
+def test_a_compiled_engine_compiles_at_warm_up_and_never_after(model, mode):
+    """On CPU (no padding) a compiled engine's warm_up makes every graph its decode steps need: one row, and more
+    rows, with the sizes symbolic. Batches of 1 to 7 rows over block tables that grow then compile nothing more,
+    and the tokens are eager's."""
+    import torch._dynamo
+
+    prompts = random_prompts([3, 17, 40, 9, 33, 5, 21])
+    expected = [greedy_ids(model, p, 12) for p in prompts]
+    config = EngineConfig(block_size=4, num_blocks=200, max_running=8, token_budget=24)
+    engine = Engine(model, ToyTokenizer(), config, Step(model, mode))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert not engine.buckets and engine.warm_up() == [1, 2, 3]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs <= 4  # full: one row, and the rest (its sizes marked); blocks: its mask and cos change rank too
+    assert [c.tokens for c in engine.generate(prompts, max_new_tokens=12)] == expected
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
+def test_a_compiled_wide_step_warms_up_and_answers_as_the_kernels(model):
+    """With wide_rows, the float32 copy's step compiles as the narrow one does, at warm-up (its first row count,
+    and one more: symbolic); a batch of int4 rows decodes the narrow eager engine's greedy tokens."""
+    import torch._dynamo
+    from quantize import quantize_model
+
+    q = quantize_model(copy.deepcopy(model), "int4:32")
+    prompts = random_prompts([5, 11, 2, 7, 9], seed=4)
+    expected = [greedy_ids(q, p, 10) for p in prompts]
+    config = EngineConfig(block_size=4, num_blocks=80, max_running=8, wide_rows=4)
+    engine = Engine(q, ToyTokenizer(), config, Step(q, "full"))
+    assert engine.wide_step.mode == "full"
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert engine.warm_up() == [1, 2, 3, 4, 5]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert [c.tokens for c in engine.generate(prompts, max_new_tokens=10)] == expected
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
 def test_prefix_hit_verifies_tokens(model):
     """A block whose chained hash matches but whose tokens differ (a forced collision) is not reused."""
     prompts = random_prompts([20, 20], seed=3)

@@ -120,7 +120,8 @@ def single(tiny4_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,stages,micros", [(2, 2, (1, 2)), (3, 3, (2, 4)), (4, 2, (2,))])
+@pytest.mark.parametrize("world,stages,micros", [(2, 2, (1, 2)), (3, 3, (2, 4)), (4, 2, (2,))],
+                         ids=["2-2-1+2", "3-3-2+4", "4-2-2"])
 def test_stages_give_one_process_logits_tokens_and_engine(tiny4_dir, single, tmp_path, world, stages, micros):
     """P stages with M micro-batches (each M of a launch in turn; and 2 tensor-parallel ranks a stage: 4 processes
     for 2 stages): one process's float32 logits within 1e-5 (uncached, and a cached prefill in M chunks of tokens),

@@ -4,21 +4,16 @@ where the machine has it; AVX2 forced with ATEN_CPU_CAPABILITY). Two steps: the 
 which is eager for a short answer), and the compiled blocks (what `auto` runs for a long answer; on AVX2 its head
 is the Q8_0 head's words, gemv.py)."""
 import json
-import os
 
 import pytest
 import torch
 
 from cli import pick_dtype
-from helpers import run_py
+from helpers import cpu_classes, run_py
 
 README_PROMPT = "The capital of France is"  # README: python generate.py --prompt "The capital of France is" --temperature 0
 PROMPTS = ["The three primary colors are", "Once upon a time, in a small village,", "def fibonacci(n):"]
 N_TOKENS = 64
-# None runs the machine's own CPU class; on an AVX2 machine (torch's capability here, none forced) that is the class
-# "avx2" forces, so the run would repeat the avx2 one with fewer checks: it runs only where the classes differ.
-OWN_IS_AVX2 = "ATEN_CPU_CAPABILITY" not in os.environ and torch.backends.cpu.get_cpu_capability() == "AVX2"
-CAPABILITIES = ["avx2"] if OWN_IS_AVX2 else [None, "avx2"]
 
 
 def greedy_rows(capability: str | None, compile_mode: str, prompts: list[str], monkeypatch) -> dict:
@@ -47,7 +42,7 @@ def assert_plain_greedy(out: dict, prompts: list[str]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capability", CAPABILITIES)
+@pytest.mark.parametrize("capability", cpu_classes())  # None repeats avx2 on an AVX2 machine
 def test_the_readme_commands_eager_step_is_greedy(capability, monkeypatch):
     """The README's first command, its answer short: `--compile auto` picks eager (the target's step and a draft's),
     generate.py itself prints plain greedy's tokens and says it ran eagerly, and speculative and batched greedy on

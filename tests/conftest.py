@@ -153,6 +153,27 @@ def smollm2(smollm2_gguf, smollm2_tokenizer):
     return model.eval(), smollm2_tokenizer
 
 
+SMOLLM2_GREEDY = ["generate.py", "--prompt", "The capital of France is", "--temperature", "0", "--max-new-tokens",
+                  "16", "--dtype", "float32", "--weights-cache", "none"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_one_process(smollm2_gguf):
+    """(command, quantize -> its CompletedProcess): SMOLLM2_GREEDY, generate.py's greedy run on SmolLM2 in one
+    process, each --quantize run once a session, for the tensor- and pipeline-parallel runs to equal."""
+    from helpers import run_py
+
+    runs = {}
+
+    def get(quantize: str | None):
+        if quantize not in runs:
+            extra = [] if quantize is None else ["--quantize", quantize]
+            runs[quantize] = run_py(*SMOLLM2_GREEDY, "--model", smollm2_gguf, *extra)
+            assert runs[quantize].returncode == 0, runs[quantize].stderr
+        return runs[quantize]
+    return SMOLLM2_GREEDY, get
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """The llama-gqa tiny model (fp32, context 256), shared: tests must not modify it (deepcopy it)."""

@@ -1,12 +1,21 @@
 """Plain helpers shared by the test files (fixtures are in conftest.py): the repository root, running a script
 in a fresh Python process, its peak memory, a toy tokenizer whose text shows every token and a toy byte-level BPE
 one for grammars, an API answer's stream of pieces, a distributed
-rank's device."""
+rank's device, the CPU classes to run a process under."""
 import os
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_classes() -> list[str | None]:
+    """The CPU classes (ATEN_CPU_CAPABILITY) a test runs its process under: None (the machine's own) and "avx2"; on
+    an AVX2 machine, none forced, "avx2" alone, since the machine's own class is the one it forces."""
+    import torch
+
+    own_is_avx2 = "ATEN_CPU_CAPABILITY" not in os.environ and torch.backends.cpu.get_cpu_capability() == "AVX2"
+    return ["avx2"] if own_is_avx2 else [None, "avx2"]
 
 
 def child_env() -> dict[str, str]:

@@ -436,72 +436,76 @@ def post(url: str, route: str, body: dict) -> tuple[int, str]:
     return 200, "".join(p or "" for p in parts)
 
 
+@pytest.fixture(scope="module")
+def processes(smollm2_gguf):
+    """`serve.py --role decode` and a `--role prefill` worker (chunks of 128 tokens) over SmolLM2, shared by this
+    module's two-process tests: (url, kv port, {role: process}); a test that replaces the prefill worker puts its
+    new one in the dict, which is stopped at the end."""
+    port, kv = free_port(), free_port()
+    procs = {"decode": start_role(smollm2_gguf, "decode", kv, "--port", str(port))}
+    procs["prefill"] = start_role(smollm2_gguf, "prefill", kv, "--token-budget", "128")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_workers(url, list(procs.values()))
+        yield url, kv, procs
+    finally:
+        stop_server(procs["prefill"])
+        stop_server(procs["decode"])
+
+
 @pytest.mark.slow
-def test_two_processes_answer_16_concurrent_requests_as_colocated(smollm2_gguf, colocated, text):
+def test_two_processes_answer_16_concurrent_requests_as_colocated(colocated, processes, text):
     """8 completions (token ids, 10 to ~400 tokens) and 8 chats, half of each streamed, all at once through the
     decode worker's HTTP front: the co-located engine's greedy texts."""
     from concurrent.futures import ThreadPoolExecutor
 
     engine, tok = colocated
+    url, _, _ = processes
     prompts = [tok.encode(text[i * 700:i * 700 + n]) for i, n in enumerate([40, 1600, 300, 900, 120, 60, 1200, 500])]
     chats = [[{"role": "user", "content": q}] for q in ["What is the capital of France?", "Name three colours.",
              "Write a haiku about rain.", text[:600] + "\nWho speaks first here?", "What is 2 + 2?",
              "Say hello in Spanish.", text[3000:3400] + "\nSummarize this.", "List two fruits."]]
     chat_ids = [tok.encode(tok.apply_chat_template(c), bos=False) for c in chats]
-    want = [c.text for c in engine.generate(prompts + chat_ids, max_new_tokens=24)]
-    bodies = [("/v1/completions", {"prompt": p, "max_tokens": 24, "temperature": 0, "stream": i % 2 == 0})
+    want = [c.text for c in engine.generate(prompts + chat_ids, max_new_tokens=16)]
+    bodies = [("/v1/completions", {"prompt": p, "max_tokens": 16, "temperature": 0, "stream": i % 2 == 0})
               for i, p in enumerate(prompts)]
-    bodies += [("/v1/chat/completions", {"messages": c, "max_tokens": 24, "temperature": 0, "stream": i % 2 == 1})
+    bodies += [("/v1/chat/completions", {"messages": c, "max_tokens": 16, "temperature": 0, "stream": i % 2 == 1})
                for i, c in enumerate(chats)]
-    port, kv = free_port(), free_port()
-    decode = start_role(smollm2_gguf, "decode", kv, "--port", str(port))
-    prefill = start_role(smollm2_gguf, "prefill", kv, "--token-budget", "128")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_workers(url, [decode, prefill])
-        with ThreadPoolExecutor(16) as pool:
-            got = list(pool.map(lambda b: post(url, *b), bodies))
-        assert got == [(200, w) for w in want]
-        assert health(url)["engine"]["kv_bytes_received"] > sum(map(len, prompts)) * 46080 * 0.9  # 45 KiB a token
-    finally:
-        stop_server(prefill)
-        stop_server(decode)
+    received = health(url)["engine"]["kv_bytes_received"]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda b: post(url, *b), bodies))
+    assert got == [(200, w) for w in want]
+    received = health(url)["engine"]["kv_bytes_received"] - received
+    assert received > sum(map(len, prompts)) * 46080 * 0.9  # 45 KiB a token
 
 
 @pytest.mark.slow
-def test_killing_the_prefill_worker_mid_transfer_fails_only_its_request(smollm2_gguf, colocated, text):
+def test_killing_the_prefill_worker_mid_transfer_fails_only_its_request(smollm2_gguf, colocated, processes, text):
     """SIGKILL the prefill worker while a long prompt's blocks arrive: that request gets a 500 naming the lost
     worker, a stream already decoding finishes with the co-located text, the decode worker stays healthy and
     answers 503 until a prefill worker connects again, which then serves exactly."""
     from concurrent.futures import ThreadPoolExecutor
 
     engine, tok = colocated
-    short, long = tok.encode("1, 2, 3,"), tok.encode(text[2000:9000])
+    url, kv, procs = processes
+    short, long = tok.encode("1, 2, 3,"), tok.encode(text[2000:5000])  # ~760 tokens: 6 chunks of 128
     want_short, want_long = (c.text for c in engine.generate([short, long], max_new_tokens=40))
-    port, kv = free_port(), free_port()
-    decode = start_role(smollm2_gguf, "decode", kv, "--port", str(port))
-    prefill = start_role(smollm2_gguf, "prefill", kv, "--token-budget", "32")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_workers(url, [decode, prefill])
-        with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(post, url, "/v1/completions", {"prompt": short, "max_tokens": 40, "temperature": 0,
-                                                               "stream": True})
-            while health(url)["engine"]["running"] == 0:
-                time.sleep(0.05)
-            second = pool.submit(post, url, "/v1/completions", {"prompt": long, "max_tokens": 40, "temperature": 0})
-            while health(url)["engine"]["kv_bytes_received"] < 46080 * 64:  # a few chunks in
-                time.sleep(0.02)
-            prefill.kill()
-            assert first.result() == (200, want_short)
-            status, message = second.result()
-        assert status == 500 and "was lost mid-transfer" in message, message
-        assert health(url)["status"] == "ok" and health(url)["engine"]["prefill_workers"] == 0
-        assert post(url, "/v1/completions", {"prompt": short, "max_tokens": 4})[0] == 503
-        prefill = start_role(smollm2_gguf, "prefill", kv)
-        wait_for_workers(url, [decode, prefill])
-        assert post(url, "/v1/completions", {"prompt": long, "max_tokens": 40, "temperature": 0}) == (200, want_long)
-        assert health(url)["engine"]["blocks_used"] == 0
-    finally:
-        stop_server(prefill)
-        stop_server(decode)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post, url, "/v1/completions", {"prompt": short, "max_tokens": 40, "temperature": 0,
+                                                           "stream": True})
+        while health(url)["engine"]["running"] == 0:
+            time.sleep(0.05)
+        received = health(url)["engine"]["kv_bytes_received"]  # the short prompt's blocks are in
+        second = pool.submit(post, url, "/v1/completions", {"prompt": long, "max_tokens": 40, "temperature": 0})
+        while health(url)["engine"]["kv_bytes_received"] < received + 46080 * 64:  # its first chunk in
+            time.sleep(0.02)
+        procs["prefill"].kill()
+        assert first.result() == (200, want_short)
+        status, message = second.result()
+    assert status == 500 and "was lost mid-transfer" in message, message
+    assert health(url)["status"] == "ok" and health(url)["engine"]["prefill_workers"] == 0
+    assert post(url, "/v1/completions", {"prompt": short, "max_tokens": 4})[0] == 503
+    procs["prefill"] = start_role(smollm2_gguf, "prefill", kv)
+    wait_for_workers(url, list(procs.values()))
+    assert post(url, "/v1/completions", {"prompt": long, "max_tokens": 40, "temperature": 0}) == (200, want_long)
+    assert health(url)["engine"]["blocks_used"] == 0

@@ -16,7 +16,7 @@ import torch
 import generate
 import step
 from features.chat import print_logprobs, summary
-from helpers import ROOT, ToyTokenizer, child_env, run_py
+from helpers import ROOT, ToyTokenizer, child_env, cpu_classes, run_py
 from params import SamplingParams, Token
 from text import Completion
 from tiny_models import greedy_ids
@@ -447,7 +447,7 @@ def test_speculative_json_matches_plain_greedy(capsys, smollm2, smollm2_gguf):
 # ---- as a user runs it: a fresh process ----
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capability", [None, "avx2"])
+@pytest.mark.parametrize("capability", cpu_classes())  # None repeats avx2 on an AVX2 machine
 def test_readme_command_with_the_default_model(capability, monkeypatch):
     """The README's first command, on this CPU's class and with AVX2 forced: the summary says what the auto rules
     pick for that class (the dtype) and for both (the file's int4 codes and Q8_0 head, eager for a short answer)."""

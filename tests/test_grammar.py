@@ -1,6 +1,6 @@
 """grammar.py, structured output: the token table read from byte-level and sentencepiece vocabularies, a masked
 step that changes nothing but the forbidden tokens, EOS only where the grammar may end, a matcher per batch row and
-engine sequence; on SmolLM2 (slow), 30 prompts x 3 schemas at temperature 0.8 that all validate, regexes that
+engine sequence; on SmolLM2 (slow), 15 prompts x 3 schemas at temperature 0.8 that all validate, regexes that
 fullmatch and an arithmetic grammar that holds."""
 import json
 import re
@@ -295,10 +295,6 @@ PROMPTS = [
     "Tell me about a scientist.", "Create a user profile.", "Describe a teacher.", "Make up a pilot.",
     "Describe your neighbour.", "Give me a random person.", "Tell me about an athlete.", "Describe a chef.",
     "Who won the race?", "Describe a painter.", "Create a game character.", "Tell me about a doctor.",
-    "Introduce a new employee.", "Describe an explorer.", "Make up a musician.", "Describe a student.",
-    "Tell me about a farmer.", "Describe a detective.", "Create a hero.", "Tell me about a villain.",
-    "Describe a king.", "Describe an astronaut.", "Tell me about a writer.", "Make up a robot's owner.",
-    "Describe a shop keeper.", "Tell me about a baker.", "Describe a sailor.",
 ]
 SCHEMAS = [
     {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
@@ -326,7 +322,7 @@ def chat_prompts(tokenizer, suffix: str) -> list[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schema", range(len(SCHEMAS)))
-def test_smollm2_30_prompts_validate_at_temperature_0_8(smollm2, schema):
+def test_smollm2_15_prompts_validate_at_temperature_0_8(smollm2, schema):
     model, tokenizer = smollm2
     compiler = Compiler(tokenizer, model.args.vocab_size)
     grammar = compiler.compile(Constraint("json_schema", json.dumps(SCHEMAS[schema])))

@@ -368,20 +368,11 @@ TOOL_PROMPTS = ["What's the weather in Paris?", "Is it cold in Oslo today?", "Bo
                 "Find me recent news about volcanoes.", "I need a dinner reservation for two at 8pm.",
                 "Should I take an umbrella in London?", "Look up the population of Japan.",
                 "Weather in Tokyo in fahrenheit please.", "Search for a good pancake recipe.",
-                "Reserve a table for 12 people at Noma, 18:00.", "How hot is it in Cairo?",
-                "Who won the last world cup? Search it.", "Table for one at the Ritz at 13:15.",
-                "Is it snowing in Montreal?", "What is the capital of Peru? Look it up.",
-                "Book dinner for 6 at Sushi Zen at 20:45.", "Temperature in Rome, celsius.",
-                "Search the web for cheap flights to Lisbon.", "Please book a table for 3 at 12:00 at Chez Paul.",
-                "What's it like outside in Sydney?", "Find the tallest building in the world.",
-                "Windy in Chicago today?", "Get me a table at Le Cinq for 2 at 21:00.",
-                "Search: how do bees make honey?", "Weather report for Berlin.", "Book 5 seats at Nobu, 19:00.",
-                "Look for the best hiking trails in Utah.", "Is it raining in Seattle?",
-                "Reserve a table for 8 at The Ivy at 17:30.", "Search for python tutorials."]
+                "Reserve a table for 12 people at Noma, 18:00."]
 
 
 def test_named_and_required_tool_calls_are_valid_by_construction(reference):
-    """30 prompts x 3 schemas with the function named, and 6 prompts with "required" over all three, sampled at
+    """10 prompts x 3 schemas with the function named, and 6 prompts with "required" over all three, sampled at
     temperature 0.8: every call parses and its arguments validate against the function's schema."""
     import json
 
@@ -464,8 +455,9 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 def test_required_ends_after_its_call_by_default(reference):
     """tool_choice "required" without parallel_tool_calls: SmolLM2's template has no parallel calls, so one call,
-    and the grammar ends the output after it (it ran to max_tokens repeating calls before). 5 seeds at
-    temperature 0 and 0.7. With parallel calls asked for, a repeated call ends the output and is dropped."""
+    and the grammar ends the output after it (it ran to max_tokens repeating calls before). Temperature 0 (greedy:
+    the seed changes nothing) and 5 seeds at 0.7. With parallel calls asked for, a repeated call ends the output and
+    is dropped."""
     import json
 
     async def one(c, temperature, seed, **kw):
@@ -474,7 +466,7 @@ def test_required_ends_after_its_call_by_default(reference):
         return r.choices[0]
 
     async def fn(c, h):
-        return await asyncio.gather(*[one(c, t, seed) for t in (0, 0.7) for seed in range(5)],
+        return await asyncio.gather(one(c, 0, 0), *[one(c, 0.7, seed) for seed in range(5)],
                                     one(c, 0, 0, parallel_tool_calls=True))
 
     *choices, parallel = call(reference, fn)
@@ -534,13 +526,13 @@ def test_instructor_and_langchain_tool_calling(reference):
 
     async def fn(c, h):
         client = instructor.from_openai(c)  # Mode.TOOLS
-        city = await client.chat.completions.create(model="m", response_model=City, max_tokens=100, temperature=0,
-                                                    messages=[{"role": "user", "content": "Describe Paris."}])
         chat = ChatOpenAI(model="m", base_url=f"{LOCAL}/v1", api_key="x", temperature=0, max_tokens=100,
                           http_async_client=h, max_retries=0)
-        bound = await chat.bind_tools([WEATHER], tool_choice="get_weather").ainvoke("Weather in Rome?")
-        structured = await chat.with_structured_output(City, method="function_calling").ainvoke("Describe Rome.")
-        return city, bound, structured
+        return await asyncio.gather(  # at once: the engine batches the three
+            client.chat.completions.create(model="m", response_model=City, max_tokens=100, temperature=0,
+                                           messages=[{"role": "user", "content": "Describe Paris."}]),
+            chat.bind_tools([WEATHER], tool_choice="get_weather").ainvoke("Weather in Rome?"),
+            chat.with_structured_output(City, method="function_calling").ainvoke("Describe Rome."))
 
     city, bound, structured = call(reference, fn)
     assert isinstance(city, City) and isinstance(structured, City)
@@ -567,10 +559,11 @@ def test_max_model_len_caps_a_request_and_served_names_come_from_the_flags(refer
 
 
 def test_a_chat_streams_first_chunk_goes_out_with_the_first_token(reference):
-    """The role chunk waits for the prefill: a ~1,500-token prompt's first chunk arrives once the engine has
-    sampled a token (the server's TTFT histogram has counted it), so every client measures the same TTFT."""
+    """The role chunk waits for the prefill: a ~400-token prompt's first chunk (its prefill 7 steps of the token
+    budget's 64) arrives once the engine has sampled a token (the server's TTFT histogram has counted it), so every
+    client measures the same TTFT."""
     model, tok = reference
-    long = " ".join(["The quick brown fox jumps over the lazy dog."] * 150)
+    long = " ".join(["The quick brown fox jumps over the lazy dog."] * 40)
 
     async def fn(c, h):
         metrics = h._transport.app.state.server.metrics
@@ -581,6 +574,6 @@ def test_a_chat_streams_first_chunk_goes_out_with_the_first_token(reference):
             seen.append((sum(metrics.ttft.counts), chunk.choices[0].delta.role if chunk.choices else None))
         return seen
 
-    assert len(tok.encode(long)) > 1400
+    assert len(tok.encode(long)) > 6 * 64
     seen = call(reference, fn)
     assert seen[0] == (1, "assistant")  # the first token was already sampled when the role went out

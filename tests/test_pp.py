@@ -52,45 +52,53 @@ def run_engine(engine) -> list:
     return [[(c.tokens, c.prefilled) for c in engine.generate(engine_prompts(), max_new_tokens=10)] for _ in range(2)]
 
 
-def run_rank(rank: int, world: int, stages: int, port: int, model_dir: str, out_dir: str, micro: int,
-             device: str = "cpu") -> None:
-    """One rank of a stage: the all-position logits of PROMPT, a greedy continuation, a batch of rows of different
-    lengths, and the engine (rank 0; the other ranks run serve_stage), saved for the parent."""
+def run_rank(rank: int, world: int, stages: int, port: int, model_dir: str, out_dir: str,
+             micros: tuple[int, ...], device: str = "cpu") -> None:
+    """One rank of a stage, for each micro-batch count M in turn (one launch, one load): the all-position logits of
+    PROMPT, a greedy continuation, a batch of rows of different lengths, and the engine (rank 0; the other ranks
+    run serve_stage), saved for the parent."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     device = rank_device(rank, device)
     try:
         stage, group = pp.place(tp.Shard(rank, world), stages)
         model, _ = load_model(model_dir, device, torch.float32, shard=stage.shard())
-        if group is not None:  # once: both pipelines below share the model's modules
+        if group is not None:  # once: every pipeline below shares the model's modules
             tp.install(model, group)
-        pipe = pp.split(model, stage, micro)
-        step = Step(pipe)
-        with torch.inference_mode():
-            prompt, pos = torch.tensor([PROMPT], device=device), torch.arange(len(PROMPT), device=device)
-            logits = pipe(prompt, pos, all_logits=True)[0]
-            cache = KVCache.for_model(pipe.args, 1, 16, torch.float32, device)  # the prompt in micro-batches of tokens
-            cached = step(prompt, pos, cache, all_logits=True, prefill=True)
-            out = {"logits": logits.cpu(), "cached": cached[0].cpu(), "chunks": len(pipe.parts(prompt, pos, cache)),
-                   "tokens": greedy_ids(pipe, PROMPT, N_NEW, step=step), "rows": batch_tokens(pipe, step),
-                   "layers": len(pipe.layers), "first": pipe.first_layer,
-                   "cache_layers": len(KVCache.for_model(pipe.args, 1, 8, torch.float32, device).layers),
-                   "kv_heads": pipe.args.n_kv_heads}
-        engine_pipe = pp.split(model, stage, micro, to=0)
-        engine_step = pp.PipelineStep(Step(engine_pipe)) if rank == 0 else Step(engine_pipe)
-        if rank == 0:
-            engine = Engine(engine_pipe, ToyTokenizer(), ENGINE, engine_step)
-            engine_step.watch(engine.pool)
-            out["engine"] = run_engine(engine)
-            engine_step.stop()
-        else:
-            pp.serve_stage(engine_step, BlockPool.for_model(engine_pipe.args, ENGINE.num_blocks, ENGINE.block_size,
-                                                            torch.float32, device))
-        out["report"] = pipe.report()
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        for micro in micros:
+            out = run_micro(model, stage, micro, rank, device)
+            torch.save(out, os.path.join(out_dir, f"rank{rank}-m{micro}.pt"))
     finally:
         dist.barrier()  # no rank tears gloo down while a peer still talks to it
         dist.destroy_process_group()
+
+
+def run_micro(model, stage, micro: int, rank: int, device) -> dict:
+    """run_rank's results for M = micro micro-batches."""
+    pipe = pp.split(model, stage, micro)
+    step = Step(pipe)
+    with torch.inference_mode():
+        prompt, pos = torch.tensor([PROMPT], device=device), torch.arange(len(PROMPT), device=device)
+        logits = pipe(prompt, pos, all_logits=True)[0]
+        cache = KVCache.for_model(pipe.args, 1, 16, torch.float32, device)  # the prompt in micro-batches of tokens
+        cached = step(prompt, pos, cache, all_logits=True, prefill=True)
+        out = {"logits": logits.cpu(), "cached": cached[0].cpu(), "chunks": len(pipe.parts(prompt, pos, cache)),
+               "tokens": greedy_ids(pipe, PROMPT, N_NEW, step=step), "rows": batch_tokens(pipe, step),
+               "layers": len(pipe.layers), "first": pipe.first_layer,
+               "cache_layers": len(KVCache.for_model(pipe.args, 1, 8, torch.float32, device).layers),
+               "kv_heads": pipe.args.n_kv_heads}
+    engine_pipe = pp.split(model, stage, micro, to=0)
+    engine_step = pp.PipelineStep(Step(engine_pipe)) if rank == 0 else Step(engine_pipe)
+    if rank == 0:
+        engine = Engine(engine_pipe, ToyTokenizer(), ENGINE, engine_step)
+        engine_step.watch(engine.pool)
+        out["engine"] = run_engine(engine)
+        engine_step.stop()
+    else:
+        pp.serve_stage(engine_step, BlockPool.for_model(engine_pipe.args, ENGINE.num_blocks, ENGINE.block_size,
+                                                        torch.float32, device))
+    out["report"] = pipe.report()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -112,15 +120,23 @@ def single(tiny4_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,stages,micro", [(2, 2, 1), (2, 2, 2), (3, 3, 2), (3, 3, 4), (4, 2, 2)])
-def test_stages_give_one_process_logits_tokens_and_engine(tiny4_dir, single, tmp_path, world, stages, micro):
-    """P stages with M micro-batches (and 2 tensor-parallel ranks a stage: 4 processes for 2 stages): one
-    process's float32 logits within 1e-5 (uncached, and a cached prefill in M chunks of tokens), its greedy
-    tokens, a batch of rows of different lengths (per-row positions, split into micro-batches), and the engine's 8
-    concurrent requests twice, the second round from the prefix cache (fewer tokens prefilled), whose forwards run
-    through the stages; each stage holds and caches only its layers (and under tensor parallel its kv heads)."""
-    mp.spawn(run_rank, args=(world, stages, free_port(), tiny4_dir, str(tmp_path), micro), nprocs=world)
-    ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(world)]
+@pytest.mark.parametrize("world,stages,micros", [(2, 2, (1, 2)), (3, 3, (2, 4)), (4, 2, (2,))],
+                         ids=["2-2-1+2", "3-3-2+4", "4-2-2"])
+def test_stages_give_one_process_logits_tokens_and_engine(tiny4_dir, single, tmp_path, world, stages, micros):
+    """P stages with M micro-batches (each M of a launch in turn; and 2 tensor-parallel ranks a stage: 4 processes
+    for 2 stages): one process's float32 logits within 1e-5 (uncached, and a cached prefill in M chunks of tokens),
+    its greedy tokens, a batch of rows of different lengths (per-row positions, split into micro-batches), and the
+    engine's 8 concurrent requests twice, the second round from the prefix cache (fewer tokens prefilled), whose
+    forwards run through the stages; each stage holds and caches only its layers (and under tensor parallel its kv
+    heads)."""
+    mp.spawn(run_rank, args=(world, stages, free_port(), tiny4_dir, str(tmp_path), micros), nprocs=world)
+    for micro in micros:
+        ranks = [torch.load(os.path.join(tmp_path, f"rank{r}-m{micro}.pt")) for r in range(world)]
+        check_stages(single, ranks, world, stages, micro)
+
+
+def check_stages(single: dict, ranks: list[dict], world: int, stages: int, micro: int) -> None:
+    """The ranks' results with M = micro micro-batches against one process's (the test above says what)."""
     for r in ranks:
         assert (r["logits"] - single["logits"]).abs().max() <= 1e-5
         assert (r["cached"] - single["logits"]).abs().max() <= 1e-5 and r["chunks"] == micro
@@ -142,8 +158,8 @@ def test_stages_give_one_process_logits_tokens_and_engine(tiny4_dir, single, tmp
 def test_stages_over_nccl_give_one_process_tokens(tiny4_dir, single, tmp_path):
     """2 stages on two GPUs, the hidden states sent point to point over NCCL: one (CPU) process's logits within
     1e-4, its greedy tokens, batch rows and engine completions."""
-    mp.spawn(run_rank, args=(2, 2, free_port(), tiny4_dir, str(tmp_path), 2, "cuda"), nprocs=2)
-    ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(2)]
+    mp.spawn(run_rank, args=(2, 2, free_port(), tiny4_dir, str(tmp_path), (2,), "cuda"), nprocs=2)
+    ranks = [torch.load(os.path.join(tmp_path, f"rank{r}-m2.pt")) for r in range(2)]
     for r in ranks:
         assert (r["logits"] - single["logits"]).abs().max() <= 1e-4
         assert r["tokens"] == single["tokens"] and r["rows"] == single["rows"]
@@ -206,10 +222,6 @@ def test_pipeline_flags_are_checked(monkeypatch):
         check("--pipeline-parallel", "1")
 
 
-SMOLLM2_CMD = ["generate.py", "--prompt", "The capital of France is", "--temperature", "0", "--max-new-tokens", "16",
-               "--dtype", "float32", "--weights-cache", "none"]
-
-
 def torchrun(world: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
             str(free_port()), *args]
@@ -217,17 +229,17 @@ def torchrun(world: int, *args: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,quantize", [(2, None), (2, "none"), (4, None)])
-def test_torchrun_smollm2_pipeline_matches_one_process(smollm2_gguf, world, quantize):
+def test_torchrun_smollm2_pipeline_matches_one_process(smollm2_gguf, smollm2_one_process, world, quantize):
     """`torchrun --nproc-per-node 2 generate.py --pipeline-parallel 2` on SmolLM2: one process's greedy text, on
     the file's int4 codes and dequantized, and with 4 processes (each stage 2 tensor-parallel ranks, 6 and 3 heads);
     the summary names the stages' layers and the bubble line follows."""
     extra = [] if quantize is None else ["--quantize", quantize]
-    one = run_py(*SMOLLM2_CMD, "--model", smollm2_gguf, *extra)
-    assert one.returncode == 0, one.stderr
-    got = run_py(*torchrun(world, *SMOLLM2_CMD, "--model", smollm2_gguf, "--pipeline-parallel", "2", *extra)[1:],
+    cmd, one_process = smollm2_one_process
+    want = one_process(quantize).stdout
+    got = run_py(*torchrun(world, *cmd, "--model", smollm2_gguf, "--pipeline-parallel", "2", *extra)[1:],
                  timeout=600)
     assert got.returncode == 0, got.stderr
-    assert got.stdout == one.stdout and one.stdout.strip()
+    assert got.stdout == want and want.strip()
     tensor = " x tensor parallel x2" if world == 4 else ""
     assert f"pipeline parallel x2{tensor} (layers 0-18 | 19-29; 2 micro-batches)" in got.stderr
     assert re.search(r"pipeline x2: bubble [\d.]+% measured", got.stderr), got.stderr

@@ -515,7 +515,7 @@ def test_constrained_calls_validate(smollm2):
     for tools, tool_choice in runs + [(TOOLS, "required")]:
         request = tool_request(tools, tool_choice, False, tokenizer)
         prompts = []
-        for p in PROMPTS[:4]:  # tests/test_openai.py sends 30 x 3 + 30 through the server
+        for p in (PROMPTS[0], PROMPTS[3]):  # one asking for a call, one not (test_openai.py sends 10 x 3 + 6)
             messages, template_tools = request.render([{"role": "user", "content": p}])
             prompts.append(tokenizer.encode_chat(messages, tools=template_tools))
         rows = generate_batch(model, prompts, max_new_tokens=120, params=SamplingParams(temperature=0.8),
@@ -528,7 +528,7 @@ def test_constrained_calls_validate(smollm2):
             assert tool_choice == "required" or name == tool_choice["function"]["name"]
             jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schemas[name])
             names.append(name)
-    assert len(names) == 4 * 4
+    assert len(names) == 4 * 2
 
 
 
@@ -555,7 +555,7 @@ def test_auto_constrains_a_call_once_it_opens(smollm2):
             return matcher
 
     prompts = []
-    for p in PROMPTS[:5]:
+    for p in PROMPTS[:3]:
         messages, template_tools = request.render([{"role": "user", "content": p}])
         prompts.append(tokenizer.encode_chat(messages, tools=template_tools) + opened)
     rows = generate_batch(model, prompts, max_new_tokens=120, params=SamplingParams(temperature=0.8),

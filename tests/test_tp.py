@@ -226,10 +226,6 @@ def test_tp_on_the_files_codes_matches_one_process(q4_gguf, tmp_path, world):
         assert r["tokens"] == tokens
 
 
-SMOLLM2_CMD = ["generate.py", "--prompt", "The capital of France is", "--temperature", "0", "--max-new-tokens", "16",
-               "--dtype", "float32", "--weights-cache", "none"]
-
-
 def weights_mb(summary: str) -> list[float]:
     """The weight megabytes a summary line reports: one process's, or each rank's (`weights per rank A + B MB`)."""
     found = re.search(r"weights (?:per rank )?([\d.]+(?: \+ [\d.]+)*) MB", summary)
@@ -237,31 +233,18 @@ def weights_mb(summary: str) -> list[float]:
     return [float(x) for x in found[1].split(" + ")]
 
 
-@pytest.fixture(scope="module")
-def one_process(smollm2_gguf):
-    """quantize -> (stdout, weight MB) of one process's greedy run on SmolLM2, each run once."""
-    runs = {}
-
-    def get(quantize: str | None):
-        if quantize not in runs:
-            extra = [] if quantize is None else ["--quantize", quantize]
-            one = run_py(*SMOLLM2_CMD, "--model", smollm2_gguf, *extra)
-            assert one.returncode == 0, one.stderr
-            runs[quantize] = one.stdout, weights_mb(one.stderr)[0]
-        return runs[quantize]
-    return get
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world,quantize", [(2, None), (3, None), (3, "none")])
-def test_torchrun_smollm2_matches_one_process(smollm2_gguf, one_process, world, quantize):
+def test_torchrun_smollm2_matches_one_process(smollm2_gguf, smollm2_one_process, world, quantize):
     """`torchrun --nproc-per-node N generate.py` on SmolLM2 (9 heads in 3 kv groups; 2 ranks take 6 and 3): one
     process's greedy text, on the file's int4 codes (default) or dequantized; each rank's weight bytes, as rank 0's
     summary line reports them, within 10% of 1/N of one process's."""
-    want, one_mb = one_process(quantize)
+    cmd, one_process = smollm2_one_process
+    one = one_process(quantize)
+    want, one_mb = one.stdout, weights_mb(one.stderr)[0]
     extra = [] if quantize is None else ["--quantize", quantize]
     got = run_py("-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(free_port()),
-                 *SMOLLM2_CMD, "--model", smollm2_gguf, *extra, timeout=600)
+                 *cmd, "--model", smollm2_gguf, *extra, timeout=600)
     assert got.returncode == 0, got.stderr
     assert got.stdout == want and want.strip()
     per_rank = weights_mb(got.stderr)

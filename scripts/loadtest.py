@@ -84,9 +84,9 @@ def make_prompts(n: int, min_words: int, max_words: int, rng: random.Random) -> 
 
 
 async def one_request(client, url: str, model: str, prompt: str, max_tokens: int,
-                      ignore_eos: bool = False) -> Result:
+                      ignore_eos: bool = False, arrivals: list[float] | None = None) -> Result:
     """Send one streaming completion (greedy, fixed max_tokens; ignore_eos: all of them, as vLLM's and llama.cpp's
-    servers take it too) and time its content chunks."""
+    servers take it too) and time its content chunks (each one's time.perf_counter() appended to `arrivals`)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **({"ignore_eos": True} if ignore_eos else {})}
     r = Result(ok=False, start_s=time.perf_counter())
@@ -109,6 +109,8 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
                 if chunk["choices"] and chunk["choices"][0]["text"]:
                     last = time.perf_counter()
                     first = first or last
+                    if arrivals is not None:
+                        arrivals.append(last)
                 if chunk.get("usage"):
                     used = chunk["usage"]
     except Exception as e:  # a failed request is a result to count, not the end of the run
@@ -211,16 +213,27 @@ def table(points: list[dict]) -> str:
     return "\n".join([head, *rows])
 
 
-async def measure(args: argparse.Namespace) -> tuple[str, list[dict]]:
-    """The served model's name and every load point's summary (progress on stderr)."""
+def http():
+    """The HTTP client's module: the maintained HTTPX (httpx2, which the openai client depends on) when installed."""
     try:
-        import httpx2 as httpx  # the maintained HTTPX, which the openai client depends on
+        import httpx2 as httpx
     except ImportError:
         import httpx
+    return httpx
 
-    limits = httpx.Limits(max_connections=args.requests + 1, max_keepalive_connections=args.requests + 1)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits, headers=headers) as client:
+
+def http_client(connections: int, timeout_s: float, api_key: str | None = None):
+    """An async client with room for `connections` requests at once, each given timeout_s."""
+    httpx = http()
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, headers=headers)
+
+
+async def measure(args: argparse.Namespace) -> tuple[str, list[dict]]:
+    """The served model's name and every load point's summary (progress on stderr)."""
+    httpx = http()
+    async with http_client(args.requests + 1, args.timeout_s, args.api_key) as client:
         try:
             models = await client.get(f"{args.url}/v1/models")
         except httpx.TransportError as e:

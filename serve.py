@@ -43,7 +43,7 @@ import time
 
 from cli import (DTYPES, THREADS, THREADS_HELP, WEIGHTS_CACHE_HELP, Range, add_model_flags, add_parallel_flags,
                  chat_template_arg, check_generation_config, check_parallel_flags, check_ranges, generation_config,
-                 model_of, pick_device, pick_dtype, run_cli, set_threads, version_line, weights_cache)
+                 model_of, native_bf16, pick_device, pick_dtype, run_cli, set_threads, version_line, weights_cache)
 from features import pp, tp
 from features.embed import POOLINGS
 from features.reasoning import PARSERS
@@ -54,6 +54,7 @@ from serving.disagg import DecodeEngine, PrefillWorker, parse_address
 from serving.engine import Engine, EngineConfig
 from serving.gate import BACKLOG, LOCAL_HOSTS, Connections, GuardedH11Protocol, ServeConfig, use_file_descriptors
 from kvcache import BlockPool
+from ops import wide
 from step import COMPILE_HELP, COMPILE_MODES, DETERMINISTIC_HELP, Step, check_deterministic
 
 API_KEY_ENV = "TINYLLM_API_KEY"  # --api-key's default
@@ -63,6 +64,10 @@ KV_ADDRESS = "127.0.0.1:8001"  # --kv-address's default
 
 def num_blocks_arg(value: str) -> int | str:
     return value if value == "auto" else int(value)
+
+
+def wide_rows_arg(value: str) -> int | str:
+    return value if value in ("auto", "none") else int(value)
 
 
 # Each numeric flag's allowed values (cli.check_ranges), checked before the model loads; --num-blocks also takes auto.
@@ -129,10 +134,11 @@ def add_engine_flags(g: argparse._ArgumentGroup, defaults: EngineConfig) -> None
     g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="while streams decode, at most N prompt tokens per step, so a long prompt delays each of "
                    "their tokens by one N-token forward at most (default: the rest of --token-budget)")
-    g.add_argument("--wide-rows", type=int, default=None, metavar="ROWS",
+    g.add_argument("--wide-rows", type=wide_rows_arg, default="auto", metavar="ROWS|auto|none",
                    help="CPU: forwards of at least ROWS rows (decode rows, prefill tokens) run quantized and bf16 "
-                   "layers as float32 matrices dequantized once: faster for many rows, at the memory of that copy "
-                   "(default: off)")
+                   "layers as float32 matrices dequantized once: faster for many rows, at the memory of that copy. "
+                   "auto (default): 16 rows for int4 codes, 2 for int8 or bf16 without bf16 units, where the copy "
+                   "takes at most a quarter of memory; off on CUDA, with --deterministic or --pipeline-parallel")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
     g.add_argument("--cache-window", type=int, default=None, metavar="W",
                    help="each sequence's KV cache rolls over W slots, keeping its first --sink-tokens positions "
@@ -217,6 +223,8 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--role {args.role} needs the whole-context KV cache: --cache-window rewrites blocks")
         if args.pipeline_parallel is not None:
             raise ValueError(f"--role {args.role} runs one process a role: drop --pipeline-parallel")
+    if args.pipeline_parallel is not None and isinstance(args.wide_rows, int):
+        raise ValueError("--wide-rows runs the whole model in one process: drop it with --pipeline-parallel")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError(f"--api-key (or ${API_KEY_ENV}) is empty; leave it unset to serve without a key")
     if any(not name.strip() for name in args.served_model_name or []):
@@ -228,14 +236,15 @@ def check_flags(args: argparse.Namespace) -> None:
         pp.check_world(args.pipeline_parallel)
 
 
-def engine_config(args: argparse.Namespace, context: int) -> EngineConfig:
-    """The engine's knobs; --num-blocks auto holds one sequence of the model's whole context."""
+def engine_config(args: argparse.Namespace, context: int, wide_rows: int | None = None) -> EngineConfig:
+    """The engine's knobs; --num-blocks auto holds one sequence of the model's whole context; wide_rows as
+    pick_wide_rows resolved --wide-rows."""
     num_blocks = args.num_blocks
     if num_blocks == "auto":  # + 1: block 0 pads block tables
         num_blocks = max(EngineConfig.num_blocks, -(-context // args.block_size) + 1)
     return EngineConfig(block_size=args.block_size, num_blocks=num_blocks, max_running=args.max_running,
                         max_waiting=args.max_waiting, token_budget=args.token_budget,
-                        prefill_chunk=args.prefill_chunk, wide_rows=args.wide_rows,
+                        prefill_chunk=args.prefill_chunk, wide_rows=wide_rows,
                         prefix_caching=not args.no_prefix_caching and args.cache_window is None,
                         static_batching=args.static_batching, cache_window=args.cache_window,
                         sink_tokens=EngineConfig.sink_tokens if args.sink_tokens is None else args.sink_tokens)
@@ -288,7 +297,10 @@ def make_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
     """The engine serve.py runs: the flags' pool and limits, and its forwards as --compile says (step.Step); under
     pipeline parallel (rank 0, the first stage) they go through the stages (pp.PipelineStep); a decode worker's
     prompts are prefilled elsewhere (disagg.DecodeEngine)."""
-    config = engine_config(args, context_of(args, model))
+    wide_rows, why = pick_wide_rows(args, model)
+    if not args.quiet and args.pipeline_parallel is None:
+        print(f"wide rows: {why}", file=sys.stderr)
+    config = engine_config(args, context_of(args, model), wide_rows)
     if args.pipeline_parallel is not None:
         step = pp.PipelineStep(Step(model, "none", deterministic=args.deterministic))
         engine = Engine(model, tokenizer, config, step)
@@ -301,6 +313,19 @@ def make_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
         engine = Engine(model, tokenizer, config, step)
     compile_steps(engine, args.quiet)
     return engine
+
+
+def pick_wide_rows(args: argparse.Namespace, model) -> tuple[int | None, str]:
+    """--wide-rows as (rows or None, why): a number as given; auto as ops.wide.auto_rows decides for this model and
+    machine (off under --deterministic, whose forwards must not depend on the batch, and pipeline parallel)."""
+    if args.wide_rows == "none":
+        return None, "off (--wide-rows none)"
+    if args.wide_rows != "auto":
+        return args.wide_rows, f"{args.wide_rows}+ rows (--wide-rows)"
+    if args.deterministic or args.pipeline_parallel is not None:
+        return None, "off: --deterministic" if args.deterministic else "off: pipeline parallel"
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's, in bytes
+    return wide.auto_rows(model, native_bf16(model.embed_tokens.weight.device) is not None, memory)
 
 
 def compile_steps(engine: Engine, quiet: bool) -> None:

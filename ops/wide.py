@@ -6,7 +6,7 @@ once for all B rows: from about 8 rows on it is the faster product (dev/LOG.md),
 of those layers. wide_model makes a second view of the model for those steps: it shares every other tensor (the
 embedding, norms, RoPE tables, a float32 model's own weights) and replaces each such layer with a WideLinear.
 Its rows round otherwise than the kernel's (float32 activations, one GEMM): close to the narrow model, not
-bitwise (tests/test_engine.py).
+bitwise (tests/test_engine.py). auto_rows is serve.py's default: from which row count the copy runs, if at all.
 Shape legend: M rows of activations, K in_features, N out_features.
 """
 import copy
@@ -19,7 +19,10 @@ from model import Linear, Transformer
 from quantize import Int4Linear, Int8GroupLinear, Int8Linear
 
 QUANTIZED = (Int4Linear, Int8GroupLinear, Int8Linear)
-WIDE_ROWS = 8  # the row count from which the float32 GEMM beat the int4 kernel (SmolLM2's layers, Zen 3 AVX2)
+# From how many rows the float32 GEMM beat each kernel (SmolLM2's 576 x 1536 layers, Zen 3 AVX2, 1 thread; dev/LOG.md):
+INT4_ROWS = 16  # torch's int4 kernel, eager and compiled steps alike (int4 codes, a GGUF's Q8_0 head)
+SLOW_ROWS = 2  # torch's int8 kernel (3.3x a float32 GEMV already at one row), and bf16 matmuls without bf16 units
+MEMORY_SHARE = 4  # auto_rows makes the copy only where it takes at most a quarter of the machine's memory
 
 
 class WideLinear(nn.Module):
@@ -41,6 +44,24 @@ def widens(module: nn.Module) -> bool:
         return True
     return isinstance(module, Linear) and module.weight.dtype in (torch.bfloat16, torch.float16) and \
         module.weight.device.type == "cpu"
+
+
+def auto_rows(model: Transformer, native_bf16: bool, memory_bytes: int) -> tuple[int | None, str]:
+    """serve.py's --wide-rows auto: (rows, why). INT4_ROWS for int4 codes, SLOW_ROWS where the other layers the copy
+    replaces are slower (Int8Linear; bf16 on a CPU without native bf16); None on CUDA, for a float32 model, for
+    DeepSeek's latent attention (it reads kv_b_proj's weight itself), or where the copy would not fit its share of
+    memory_bytes."""
+    layers = [m for m in model.modules() if widens(m)]
+    if model.embed_tokens.weight.device.type != "cpu" or type(model) is not Transformer:
+        return None, "off: a CPU path for the dense and MoE families"
+    slow = [m for m in layers if isinstance(m, Int8Linear) or (isinstance(m, Linear) and not native_bf16)]
+    if not slow and not any(isinstance(m, QUANTIZED) for m in layers):
+        return None, "off: no layer it pays for"
+    size = sum(4 * m.in_features * m.out_features for m in layers)  # float32 bytes
+    if size * MEMORY_SHARE > memory_bytes:
+        return None, f"off: its float32 copy ({size / 1e9:.1f} GB) would pass 1/{MEMORY_SHARE} of memory"
+    rows = SLOW_ROWS if slow else INT4_ROWS
+    return rows, f"{rows}+ rows through a {size / 1e9:.2f} GB float32 copy"
 
 
 def wide_model(model: Transformer) -> Transformer | None:

@@ -226,6 +226,27 @@ def test_bad_chunk_and_wide_settings(model):
             Engine(model, ToyTokenizer(), EngineConfig(**{field: value}))
 
 
+def test_wide_rows_auto_picks_the_row_count_by_kernel_and_memory(model):
+    """serve.py's --wide-rows auto: int4 codes from INT4_ROWS rows; int8 codes, and bf16 weights without native
+    bf16, from SLOW_ROWS; nothing for a float32 model or bf16 computed natively; off when the float32 copy would
+    pass a quarter of memory."""
+    from ops.wide import INT4_ROWS, SLOW_ROWS, auto_rows
+    from quantize import quantize_model
+
+    plenty = 10 ** 12
+    assert auto_rows(model, False, plenty) == (None, "off: no layer it pays for")
+    int4 = quantize_model(copy.deepcopy(model), "int4:32")
+    rows, why = auto_rows(int4, False, plenty)
+    assert rows == INT4_ROWS and "float32 copy" in why and auto_rows(int4, True, plenty)[0] == INT4_ROWS
+    assert auto_rows(quantize_model(copy.deepcopy(model), "int8"), True, plenty)[0] == SLOW_ROWS
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert auto_rows(bf16, False, plenty)[0] == SLOW_ROWS and auto_rows(bf16, True, plenty)[0] is None
+    size = sum(4 * m.in_features * m.out_features for m in int4.modules() if hasattr(m, "dequantize"))
+    assert auto_rows(int4, False, 4 * size)[0] == INT4_ROWS
+    rows, why = auto_rows(int4, False, 4 * size - 1)
+    assert rows is None and why.startswith("off: its float32 copy")
+
+
 def test_wide_rows_run_the_dequantized_copy_and_answer_as_the_kernels(model):
     """wide_rows: decode batches of that many rows and prefill chunks of that many tokens run ops.wide's float32
     copy of an int4 model's layers (its tensors otherwise the model's own); its logits are the kernel path's within

@@ -158,7 +158,7 @@ def serve_cases() -> list[tuple[str, int]]:
 def test_every_serve_numeric_flag_has_a_range():
     import serve
 
-    numeric = {a.dest for a in numeric_flags(serve.build_parser())} | {"num_blocks"}  # --num-blocks N or auto
+    numeric = {a.dest for a in numeric_flags(serve.build_parser())} | {"num_blocks", "wide_rows"}  # N or a word
     assert numeric == set(serve.RANGES), sorted(numeric ^ set(serve.RANGES))
 
 

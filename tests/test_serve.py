@@ -7,6 +7,7 @@ this process (httpx's ASGI transport, the engine on a thread) where they can loo
 ends by checking that the server still answers a greedy request exactly. Signals need a real process."""
 import asyncio
 import contextlib
+import copy
 import importlib
 import json
 import logging
@@ -531,6 +532,23 @@ def test_the_servers_engine_runs_the_compiled_step(tiny):
     prompts = [[5, 17, 42], [7, 8, 9, 10, 11]]
     assert [c.tokens for c in engine.generate(prompts, max_new_tokens=6)] == [greedy_ids(tiny, p, 6) for p in prompts]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # a compiled graph ran the decode steps
+
+
+def test_wide_rows_flag_auto_none_or_a_count(tiny):
+    """--wide-rows: auto by default (off under --deterministic and pipeline parallel), none, or a row count; a row
+    count with --pipeline-parallel is refused before the model loads."""
+    from quantize import quantize_model
+    from serve import pick_wide_rows
+
+    int4 = quantize_model(copy.deepcopy(tiny), "int4:32")
+    assert pick_wide_rows(parse_args([]), int4)[0] == 16 and pick_wide_rows(parse_args([]), tiny)[0] is None
+    assert pick_wide_rows(parse_args(["--wide-rows", "none"]), int4) == (None, "off (--wide-rows none)")
+    assert pick_wide_rows(parse_args(["--wide-rows", "4"]), tiny)[0] == 4
+    assert pick_wide_rows(parse_args(["--deterministic"]), int4) == (None, "off: --deterministic")
+    with pytest.raises(ValueError, match="--wide-rows runs the whole model in one process"):
+        check_flags(parse_args(["--pipeline-parallel", "2", "--wide-rows", "8"]))
+    with pytest.raises(ValueError, match="--wide-rows must be >= 1"):
+        check_flags(parse_args(["--wide-rows", "0"]))
 
 
 @pytest.mark.slow

@@ -297,16 +297,16 @@ def make_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
     """The engine serve.py runs: the flags' pool and limits, and its forwards as --compile says (step.Step); under
     pipeline parallel (rank 0, the first stage) they go through the stages (pp.PipelineStep); a decode worker's
     prompts are prefilled elsewhere (disagg.DecodeEngine)."""
-    wide_rows, why = pick_wide_rows(args, model)
-    if not args.quiet and args.pipeline_parallel is None:
-        print(f"wide rows: {why}", file=sys.stderr)
-    config = engine_config(args, context_of(args, model), wide_rows)
     if args.pipeline_parallel is not None:
         step = pp.PipelineStep(Step(model, "none", deterministic=args.deterministic))
-        engine = Engine(model, tokenizer, config, step)
+        engine = Engine(model, tokenizer, engine_config(args, context_of(args, model)), step)
         step.watch(engine.pool)
         return engine
     step = Step(model, args.compile, deterministic=args.deterministic)
+    wide_rows, why = pick_wide_rows(args, model, step.mode)
+    if not args.quiet:
+        print(f"wide rows: {why}", file=sys.stderr)
+    config = engine_config(args, context_of(args, model), wide_rows)
     if args.role == "decode":
         engine = DecodeEngine(model, tokenizer, config, step, args.kv_address, args.api_key, args.kv_timeout)
     else:
@@ -315,9 +315,10 @@ def make_engine(args: argparse.Namespace, model, tokenizer) -> Engine:
     return engine
 
 
-def pick_wide_rows(args: argparse.Namespace, model) -> tuple[int | None, str]:
-    """--wide-rows as (rows or None, why): a number as given; auto as ops.wide.auto_rows decides for this model and
-    machine (off under --deterministic, whose forwards must not depend on the batch, and pipeline parallel)."""
+def pick_wide_rows(args: argparse.Namespace, model, mode: str) -> tuple[int | None, str]:
+    """--wide-rows as (rows or None, why): a number as given; auto as ops.wide.auto_rows decides for this model,
+    machine and compiled `mode` (off under --deterministic, whose forwards must not depend on the batch, and
+    pipeline parallel)."""
     if args.wide_rows == "none":
         return None, "off (--wide-rows none)"
     if args.wide_rows != "auto":
@@ -325,7 +326,7 @@ def pick_wide_rows(args: argparse.Namespace, model) -> tuple[int | None, str]:
     if args.deterministic or args.pipeline_parallel is not None:
         return None, "off: --deterministic" if args.deterministic else "off: pipeline parallel"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's, in bytes
-    return wide.auto_rows(model, native_bf16(model.embed_tokens.weight.device) is not None, memory)
+    return wide.auto_rows(model, native_bf16(model.embed_tokens.weight.device) is not None, memory, mode)
 
 
 def compile_steps(engine: Engine, quiet: bool) -> None:

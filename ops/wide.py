@@ -19,23 +19,36 @@ from model import Linear, Transformer
 from quantize import Int4Linear, Int8GroupLinear, Int8Linear
 
 QUANTIZED = (Int4Linear, Int8GroupLinear, Int8Linear)
-# From how many rows the float32 GEMM beat each kernel (SmolLM2's 576 x 1536 layers, Zen 3 AVX2, 1 thread; dev/LOG.md):
-INT4_ROWS = 16  # torch's int4 kernel, eager and compiled steps alike (int4 codes, a GGUF's Q8_0 head)
+# From how many rows the copy (packed, eager) beat each kernel: SmolLM2, AMD Zen 3 AVX2, 2 threads (dev/LOG.md)
+INT4_ROWS = 8  # torch's int4 kernel, eager or `blocks` (int4 codes, a GGUF's Q8_0 head)
+INT4_ROWS_FULL = 16  # ... under a `full` compiled step, whose few-row steps are faster
 SLOW_ROWS = 2  # torch's int8 kernel (3.3x a float32 GEMV already at one row), and bf16 matmuls without bf16 units
 MEMORY_SHARE = 4  # auto_rows makes the copy only where it takes at most a quarter of the machine's memory
 
 
 class WideLinear(nn.Module):
-    """y = x @ W^T with W a float32 (N, K) matrix, for activations of any float dtype (cast in and back)."""
+    """y = x @ W^T with W a float32 (N, K) matrix, for activations of any float dtype (cast in and back). packed: W
+    in oneDNN's blocked layout (an opaque tensor) for eager steps, whose small-row GEMMs it runs 1.5-3x faster on two
+    threads than the plain matrix (dev/LOG.md); a compiled step takes the plain one (Inductor cannot take it)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(weight.float(), requires_grad=False)  # (N, K)
-        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)  # (N,)
+        weight = weight.float()  # (N, K)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.packed = packed
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else weight)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)  # (N,)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 (N, K) matrix (what DeepSeek's latent attention reads of kv_b_proj)."""
+        return self.weight.to_dense() if self.packed else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)  # (..., N)
+        if not self.packed:
+            return F.linear(x.float(), self.weight, self.bias).to(x.dtype)  # (..., N)
+        rows = x.reshape(-1, self.in_features).float()  # (M, K)
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")  # (M, N)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)  # (..., N)
 
 
 def widens(module: nn.Module) -> bool:
@@ -46,11 +59,11 @@ def widens(module: nn.Module) -> bool:
         module.weight.device.type == "cpu"
 
 
-def auto_rows(model: Transformer, native_bf16: bool, memory_bytes: int) -> tuple[int | None, str]:
-    """serve.py's --wide-rows auto: (rows, why). INT4_ROWS for int4 codes, SLOW_ROWS where the other layers the copy
-    replaces are slower (Int8Linear; bf16 on a CPU without native bf16); None on CUDA, for a float32 model, for
-    DeepSeek's latent attention (it reads kv_b_proj's weight itself), or where the copy would not fit its share of
-    memory_bytes."""
+def auto_rows(model: Transformer, native_bf16: bool, memory_bytes: int, mode: str) -> tuple[int | None, str]:
+    """serve.py's --wide-rows auto: (rows, why). INT4_ROWS for int4 codes (INT4_ROWS_FULL beside a `full` compiled
+    decode step: `mode`, step.Step's), SLOW_ROWS where the other layers the copy replaces are slower (Int8Linear; bf16
+    on a CPU without native bf16); None on CUDA, for a float32 model, for DeepSeek (not measured), or where the copy
+    would not fit its share of memory_bytes."""
     layers = [m for m in model.modules() if widens(m)]
     if model.embed_tokens.weight.device.type != "cpu" or type(model) is not Transformer:
         return None, "off: a CPU path for the dense and MoE families"
@@ -60,13 +73,14 @@ def auto_rows(model: Transformer, native_bf16: bool, memory_bytes: int) -> tuple
     size = sum(4 * m.in_features * m.out_features for m in layers)  # float32 bytes
     if size * MEMORY_SHARE > memory_bytes:
         return None, f"off: its float32 copy ({size / 1e9:.1f} GB) would pass 1/{MEMORY_SHARE} of memory"
-    rows = SLOW_ROWS if slow else INT4_ROWS
+    rows = SLOW_ROWS if slow else INT4_ROWS_FULL if mode == "full" else INT4_ROWS
     return rows, f"{rows}+ rows through a {size / 1e9:.2f} GB float32 copy"
 
 
-def wide_model(model: Transformer) -> Transformer | None:
-    """A view of model for many-row steps, every widening layer (widens) as a WideLinear of its dequantized weight;
-    None when there is none (a float32 model already multiplies rows together)."""
+def wide_model(model: Transformer, packed: bool = False) -> Transformer | None:
+    """A view of model for many-row steps, every widening layer (widens) as a WideLinear of its dequantized weight
+    (packed: in oneDNN's layout, for eager steps); None when there is none (a float32 model already multiplies rows
+    together)."""
     targets = {name for name, m in model.named_modules() if widens(m)}
     if not targets:
         return None
@@ -78,5 +92,5 @@ def wide_model(model: Transformer) -> Transformer | None:
         parent = wide.get_submodule(parent_name)
         old = model.get_submodule(name)
         weight = old.dequantize() if isinstance(old, QUANTIZED) else old.weight  # (N, K)
-        setattr(parent, attr, WideLinear(weight, getattr(old, "bias", None)))
+        setattr(parent, attr, WideLinear(weight, getattr(old, "bias", None), packed))
     return wide

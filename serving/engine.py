@@ -114,14 +114,15 @@ class Engine:
         self.outputs = Outputs(model, tokenizer, self.scheduler)  # the requests taken in, not ended
 
     def _wide_step(self, wide_rows: int | None) -> Step | None:
-        """An eager Step over ops.wide's float32 view of the model, for forwards of at least wide_rows rows (tokens);
-        None when not asked for or when the model has no layer it widens."""
+        """An eager Step over ops.wide's float32 view of the model (in oneDNN's packed layout where torch has it),
+        for forwards of at least wide_rows rows (tokens), however the narrow step runs: eager over packed weights was
+        faster than a compiled step over plain ones (dev/LOG.md). None when not asked for or nothing widens."""
         if wide_rows is None:
             return None
         if self.device.type != "cpu" or self.decode_step.deterministic:
             raise ValueError("wide_rows (--wide-rows) is a CPU path for the default (not --deterministic) forwards")
-        wide = wide_model(self.model)
-        return None if wide is None else Step(wide, self.decode_step.mode)  # compiled as the narrow step is
+        wide = wide_model(self.model, packed=torch.backends.mkldnn.is_available())
+        return None if wide is None else Step(wide)
 
     def _step_for(self, rows: int) -> Step:
         """The step that computes a forward of this many rows (decode rows, or a chunk's tokens)."""
@@ -278,7 +279,7 @@ class Engine:
     def warm_up(self) -> list[int]:
         """Compile (capture) the decode step's graphs before the first request, so that none waits for one: one row,
         then more, each at two block-table widths and row counts, after which Dynamo keeps the sizes that changed
-        symbolic; the wide step's likewise; with buckets, every power of two up to max_running. Every row writes
+        symbolic; with buckets, every power of two up to max_running (the wide step is eager). Every row writes
         token 0 at position 0 of the pad block, which no sequence reads. Returns the row counts run."""
         if not self.dynamic:
             return []
@@ -286,8 +287,6 @@ class Engine:
         shapes = [(1, 2), (1, 3), (min(2, cap), 2), (min(3, cap), 3)]  # (rows, blocks)
         if self.buckets:
             shapes += [(bucket(n, cap), 2) for n in range(1, cap + 1)]
-        if self.wide_step is not None and self.config.wide_rows <= cap:
-            shapes += [(self.config.wide_rows, 2), (min(self.config.wide_rows + 1, cap), 3)]
         for rows, width in shapes:
             self._decode([([0], [0], [0] * width)] * rows)
         return sorted({rows for rows, _ in shapes})

@@ -124,10 +124,12 @@ def test_a_compiled_engine_compiles_at_warm_up_and_never_after(model, mode):
 
 
 @pytest.mark.slow
-def test_a_compiled_wide_step_warms_up_and_answers_as_the_kernels(model):
-    """With wide_rows, the float32 copy's step compiles as the narrow one does, at warm-up (its first row count,
-    and one more: symbolic); a batch of int4 rows decodes the narrow eager engine's greedy tokens."""
+def test_a_compiled_engines_wide_step_is_eager_and_answers_as_the_kernels(model):
+    """With wide_rows, the float32 copy's step stays eager (its weights packed for oneDNN) beside a compiled narrow
+    step: warm-up compiles the narrow step only, nothing compiles after it, and a batch of int4 rows decodes the
+    narrow eager engine's greedy tokens."""
     import torch._dynamo
+    from ops.wide import WideLinear
     from quantize import quantize_model
 
     q = quantize_model(copy.deepcopy(model), "int4:32")
@@ -135,10 +137,11 @@ def test_a_compiled_wide_step_warms_up_and_answers_as_the_kernels(model):
     expected = [greedy_ids(q, p, 10) for p in prompts]
     config = EngineConfig(block_size=4, num_blocks=80, max_running=8, wide_rows=4)
     engine = Engine(q, ToyTokenizer(), config, Step(q, "full"))
-    assert engine.wide_step.mode == "full"
+    assert engine.wide_step.mode == "none"
+    assert all(m.packed for m in engine.wide_step.model.modules() if isinstance(m, WideLinear))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    assert engine.warm_up() == [1, 2, 3, 4, 5]
+    assert engine.warm_up() == [1, 2, 3]
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert [c.tokens for c in engine.generate(prompts, max_new_tokens=10)] == expected
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
@@ -230,20 +233,21 @@ def test_wide_rows_auto_picks_the_row_count_by_kernel_and_memory(model):
     """serve.py's --wide-rows auto: int4 codes from INT4_ROWS rows; int8 codes, and bf16 weights without native
     bf16, from SLOW_ROWS; nothing for a float32 model or bf16 computed natively; off when the float32 copy would
     pass a quarter of memory."""
-    from ops.wide import INT4_ROWS, SLOW_ROWS, auto_rows
+    from ops.wide import INT4_ROWS, INT4_ROWS_FULL, SLOW_ROWS, auto_rows
     from quantize import quantize_model
 
     plenty = 10 ** 12
-    assert auto_rows(model, False, plenty) == (None, "off: no layer it pays for")
+    assert auto_rows(model, False, plenty, "none") == (None, "off: no layer it pays for")
     int4 = quantize_model(copy.deepcopy(model), "int4:32")
-    rows, why = auto_rows(int4, False, plenty)
-    assert rows == INT4_ROWS and "float32 copy" in why and auto_rows(int4, True, plenty)[0] == INT4_ROWS
-    assert auto_rows(quantize_model(copy.deepcopy(model), "int8"), True, plenty)[0] == SLOW_ROWS
+    rows, why = auto_rows(int4, False, plenty, "none")
+    assert rows == INT4_ROWS and "float32 copy" in why and auto_rows(int4, True, plenty, "blocks")[0] == INT4_ROWS
+    assert auto_rows(int4, False, plenty, "full")[0] == INT4_ROWS_FULL
+    assert auto_rows(quantize_model(copy.deepcopy(model), "int8"), True, plenty, "full")[0] == SLOW_ROWS
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    assert auto_rows(bf16, False, plenty)[0] == SLOW_ROWS and auto_rows(bf16, True, plenty)[0] is None
+    assert auto_rows(bf16, False, plenty, "full")[0] == SLOW_ROWS and auto_rows(bf16, True, plenty, "none")[0] is None
     size = sum(4 * m.in_features * m.out_features for m in int4.modules() if hasattr(m, "dequantize"))
-    assert auto_rows(int4, False, 4 * size)[0] == INT4_ROWS
-    rows, why = auto_rows(int4, False, 4 * size - 1)
+    assert auto_rows(int4, False, 4 * size, "none")[0] == INT4_ROWS
+    rows, why = auto_rows(int4, False, 4 * size - 1, "none")
     assert rows is None and why.startswith("off: its float32 copy")
 
 
@@ -263,6 +267,9 @@ def test_wide_rows_run_the_dequantized_copy_and_answer_as_the_kernels(model):
     tokens = torch.tensor(random_prompts([12, 12, 12], seed=3))  # (3, 12)
     want, got = (m(tokens, torch.arange(12), None, all_logits=True) for m in (q, wide))
     assert (got - want).abs().max() < 0.05 * want.abs().max()  # bf16 activations in the kernel
+    if torch.backends.mkldnn.is_available():  # the same matrices in oneDNN's layout: float32 rounding apart
+        packed = wide_model(q, packed=True)(tokens, torch.arange(12), None, all_logits=True)
+        assert (packed - got).abs().max() < 1e-4 * got.abs().max()
     rows = []  # (whether the wide copy ran it, rows x tokens)
 
     class Recording(Step):

@@ -541,10 +541,12 @@ def test_wide_rows_flag_auto_none_or_a_count(tiny):
     from serve import pick_wide_rows
 
     int4 = quantize_model(copy.deepcopy(tiny), "int4:32")
-    assert pick_wide_rows(parse_args([]), int4)[0] == 16 and pick_wide_rows(parse_args([]), tiny)[0] is None
-    assert pick_wide_rows(parse_args(["--wide-rows", "none"]), int4) == (None, "off (--wide-rows none)")
-    assert pick_wide_rows(parse_args(["--wide-rows", "4"]), tiny)[0] == 4
-    assert pick_wide_rows(parse_args(["--deterministic"]), int4) == (None, "off: --deterministic")
+    assert pick_wide_rows(parse_args([]), int4, "none")[0] == 8
+    assert pick_wide_rows(parse_args([]), tiny, "none")[0] is None  # a float32 model
+    assert pick_wide_rows(parse_args([]), int4, "full")[0] == 16
+    assert pick_wide_rows(parse_args(["--wide-rows", "none"]), int4, "none") == (None, "off (--wide-rows none)")
+    assert pick_wide_rows(parse_args(["--wide-rows", "4"]), tiny, "full")[0] == 4
+    assert pick_wide_rows(parse_args(["--deterministic"]), int4, "none") == (None, "off: --deterministic")
     with pytest.raises(ValueError, match="--wide-rows runs the whole model in one process"):
         check_flags(parse_args(["--pipeline-parallel", "2", "--wide-rows", "8"]))
     with pytest.raises(ValueError, match="--wide-rows must be >= 1"):

@@ -3,11 +3,11 @@
 torch's CPU int4 kernel computes each activation row on its own, so a decode step of B rows costs about B one-row
 steps, and where the CPU has no bf16 units (AVX2) a bf16 matmul is a slow loop. A float32 GEMM reads each weight
 once for all B rows, and held in oneDNN's packed (blocked) layout it runs a few rows 1.5-3x faster on two threads
-than torch's plain float32 matmul does: from about 8 rows on it is the faster product (dev/LOG.md), at the memory of
-a float32 copy of those layers. wide_model makes a second view of the model for those steps: it shares every other tensor (the
-embedding, norms, RoPE tables, a float32 model's own weights) and replaces each such layer with a WideLinear.
-Its rows round otherwise than the kernel's (float32 activations, one GEMM): close to the narrow model, not
-bitwise (tests/test_engine.py). auto_rows is serve.py's default: from which row count the copy runs, if at all.
+than torch's plain float32 matmul does: from about 8 rows on it is the faster product (dev/LOG.md), at the memory
+of a float32 copy of those layers. wide_model makes a second view of the model for those steps: it shares every
+other tensor (the embedding, norms, RoPE tables, a float32 model's own weights) and replaces each such layer with a
+WideLinear. Its rows round otherwise than the kernel's (float32 activations, one GEMM): close to the narrow model,
+not bitwise (tests/test_engine.py). auto_rows is serve.py's default: from which row count the copy runs, if at all.
 Shape legend: M rows of activations, K in_features, N out_features.
 """
 import copy

@@ -20,7 +20,8 @@ from model import Linear, Transformer
 from quantize import Int4Linear, Int8GroupLinear, Int8Linear
 
 QUANTIZED = (Int4Linear, Int8GroupLinear, Int8Linear)
-# From how many rows the copy (packed, eager) beat each kernel: SmolLM2, AMD Zen 3 AVX2, 2 threads (dev/LOG.md)
+# From how many rows the copy (packed, eager) beat each kernel: SmolLM2, AMD Zen 3 AVX2, 2 threads (dev/LOG.md);
+# on AMD Zen 4 (AVX-512) torch's int4 and int8 kernels beat it through 32 rows
 INT4_ROWS = 8  # torch's int4 kernel, eager or `blocks` (int4 codes, a GGUF's Q8_0 head)
 INT4_ROWS_FULL = 16  # ... under a `full` compiled step, whose few-row steps are faster
 SLOW_ROWS = 2  # torch's int8 kernel (3.3x a float32 GEMV already at one row), and bf16 matmuls without bf16 units
@@ -60,16 +61,22 @@ def widens(module: nn.Module) -> bool:
         module.weight.device.type == "cpu"
 
 
-def auto_rows(model: Transformer, native_bf16: bool, memory_bytes: int, mode: str) -> tuple[int | None, str]:
-    """serve.py's --wide-rows auto: (rows, why). INT4_ROWS for int4 codes (INT4_ROWS_FULL beside a `full` compiled
-    decode step: `mode`, step.Step's), SLOW_ROWS where the other layers the copy replaces are slower (Int8Linear; bf16
-    on a CPU without native bf16); None on CUDA, for a float32 model, for DeepSeek (not measured), or where the copy
-    would not fit its share of memory_bytes."""
+def auto_rows(model: Transformer, memory_bytes: int, mode: str, *, native_bf16: bool,
+              avx512: bool) -> tuple[int | None, str]:
+    """serve.py's --wide-rows auto: (rows, why). Where torch runs its AVX2 kernels: INT4_ROWS for int4 codes
+    (INT4_ROWS_FULL beside a `full` compiled decode step: `mode`, step.Step's), SLOW_ROWS for int8 codes. Where it
+    runs its AVX-512 ones (avx512) the code kernels beat the copy through 32 rows (dev/LOG.md): only bf16 layers
+    without native bf16 widen, from SLOW_ROWS. None on CUDA, for a float32 model, for DeepSeek (not measured), or
+    where the copy would not fit its share of memory_bytes."""
     layers = [m for m in model.modules() if widens(m)]
     if model.embed_tokens.weight.device.type != "cpu" or type(model) is not Transformer:
         return None, "off: a CPU path for the dense and MoE families"
-    slow = [m for m in layers if isinstance(m, Int8Linear) or (isinstance(m, Linear) and not native_bf16)]
-    if not slow and not any(isinstance(m, QUANTIZED) for m in layers):
+    slow = [m for m in layers if (isinstance(m, Int8Linear) and not avx512) or
+            (isinstance(m, Linear) and not native_bf16)]
+    codes = not avx512 and any(isinstance(m, QUANTIZED) for m in layers)
+    if not slow and not codes:
+        if avx512 and any(isinstance(m, QUANTIZED) for m in layers):
+            return None, "off: torch's AVX-512 int4/int8 kernels beat the copy"
         return None, "off: no layer it pays for"
     size = sum(4 * m.in_features * m.out_features for m in layers)  # float32 bytes
     if size * MEMORY_SHARE > memory_bytes:

@@ -230,24 +230,29 @@ def test_bad_chunk_and_wide_settings(model):
 
 
 def test_wide_rows_auto_picks_the_row_count_by_kernel_and_memory(model):
-    """serve.py's --wide-rows auto: int4 codes from INT4_ROWS rows; int8 codes, and bf16 weights without native
-    bf16, from SLOW_ROWS; nothing for a float32 model or bf16 computed natively; off when the float32 copy would
-    pass a quarter of memory."""
+    """serve.py's --wide-rows auto: under torch's AVX2 kernels int4 codes from INT4_ROWS rows and int8 codes from
+    SLOW_ROWS; under its AVX-512 ones neither; bf16 weights without native bf16 from SLOW_ROWS either way; nothing
+    for a float32 model or bf16 computed natively; off when the float32 copy would pass a quarter of memory."""
     from ops.wide import INT4_ROWS, INT4_ROWS_FULL, SLOW_ROWS, auto_rows
     from quantize import quantize_model
 
-    plenty = 10 ** 12
-    assert auto_rows(model, False, plenty, "none") == (None, "off: no layer it pays for")
+    def auto(m, mode="none", memory=10 ** 12, native_bf16=False, avx512=False):
+        return auto_rows(m, memory, mode, native_bf16=native_bf16, avx512=avx512)
+
+    assert auto(model) == (None, "off: no layer it pays for")
     int4 = quantize_model(copy.deepcopy(model), "int4:32")
-    rows, why = auto_rows(int4, False, plenty, "none")
-    assert rows == INT4_ROWS and "float32 copy" in why and auto_rows(int4, True, plenty, "blocks")[0] == INT4_ROWS
-    assert auto_rows(int4, False, plenty, "full")[0] == INT4_ROWS_FULL
-    assert auto_rows(quantize_model(copy.deepcopy(model), "int8"), True, plenty, "full")[0] == SLOW_ROWS
+    rows, why = auto(int4)
+    assert rows == INT4_ROWS and "float32 copy" in why and auto(int4, "blocks", native_bf16=True)[0] == INT4_ROWS
+    assert auto(int4, "full")[0] == INT4_ROWS_FULL
+    assert auto(int4, avx512=True) == (None, "off: torch's AVX-512 int4/int8 kernels beat the copy")
+    int8 = quantize_model(copy.deepcopy(model), "int8")
+    assert auto(int8, "full", native_bf16=True)[0] == SLOW_ROWS and auto(int8, avx512=True)[0] is None
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    assert auto_rows(bf16, False, plenty, "full")[0] == SLOW_ROWS and auto_rows(bf16, True, plenty, "none")[0] is None
+    assert auto(bf16, "full")[0] == SLOW_ROWS and auto(bf16, native_bf16=True)[0] is None
+    assert auto(bf16, avx512=True)[0] == SLOW_ROWS  # an AVX-512 CPU without bf16 units
     size = sum(4 * m.in_features * m.out_features for m in int4.modules() if hasattr(m, "dequantize"))
-    assert auto_rows(int4, False, 4 * size, "none")[0] == INT4_ROWS
-    rows, why = auto_rows(int4, False, 4 * size - 1, "none")
+    assert auto(int4, memory=4 * size)[0] == INT4_ROWS
+    rows, why = auto(int4, memory=4 * size - 1)
     assert rows is None and why.startswith("off: its float32 copy")
 
 

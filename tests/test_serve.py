@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+import torch
 
 from scripts import loadtest
 from decode import generate
@@ -534,13 +535,16 @@ def test_the_servers_engine_runs_the_compiled_step(tiny):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # a compiled graph ran the decode steps
 
 
-def test_wide_rows_flag_auto_none_or_a_count(tiny):
-    """--wide-rows: auto by default (off under --deterministic and pipeline parallel), none, or a row count; a row
-    count with --pipeline-parallel is refused before the model loads."""
+def test_wide_rows_flag_auto_none_or_a_count(tiny, monkeypatch):
+    """--wide-rows: auto by default (by the CPU kernels torch dispatches; off under --deterministic and pipeline
+    parallel), none, or a row count; a row count with --pipeline-parallel is refused before the model loads."""
     from quantize import quantize_model
     from serve import pick_wide_rows
 
     int4 = quantize_model(copy.deepcopy(tiny), "int4:32")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert pick_wide_rows(parse_args([]), int4, "none")[0] is None  # torch's AVX-512 int4 kernel wins
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert pick_wide_rows(parse_args([]), int4, "none")[0] == 8
     assert pick_wide_rows(parse_args([]), tiny, "none")[0] is None  # a float32 model
     assert pick_wide_rows(parse_args([]), int4, "full")[0] == 16

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from ops.cpu import native_bf16
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FALLBACK_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 VERSION = "0.1.0"  # the runtime's version, as --version prints it
@@ -163,20 +165,6 @@ def pick_device(name: str | None) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported device {name!r}; use cpu, cuda or cuda:N")
     return device
-
-
-def native_bf16(device: torch.device, capability: str | None = None) -> str | None:
-    """Why `device` computes bfloat16 natively (CUDA; a CPU with AVX512-BF16 or AMX), or None. On CPU the
-    instructions must be there (CPUID) and torch must dispatch its AVX-512 kernels (capability, default
-    torch.backends.cpu.get_cpu_capability(): ATEN_CPU_CAPABILITY=avx2 runs the AVX2 kernels, which emulate bf16)."""
-    if device.type == "cuda":
-        return "CUDA"
-    capability = capability or torch.backends.cpu.get_cpu_capability()
-    if not capability.startswith("AVX512"):
-        return None
-    features = [name for name, has in (("AMX", torch.cpu._is_amx_tile_supported()),
-                                       ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported())) if has]
-    return ", ".join(features) or None
 
 
 def pick_dtype(name: str, device: torch.device, capability: str | None = None) -> tuple[torch.dtype, str]:

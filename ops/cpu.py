@@ -55,3 +55,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         y = y if bias is None else y + bias
         return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)  # (..., N)
     return F.linear(x, weight, bias)
+
+
+def native_bf16(device: torch.device, capability: str | None = None) -> str | None:
+    """Why `device` computes bfloat16 natively (CUDA; a CPU with AVX512-BF16 or AMX), or None. On CPU the
+    instructions must be there (CPUID) and torch must dispatch its AVX-512 kernels (capability, default
+    torch.backends.cpu.get_cpu_capability(): ATEN_CPU_CAPABILITY=avx2 runs the AVX2 kernels, which emulate bf16)."""
+    if device.type == "cuda":
+        return "CUDA"
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        return None
+    features = [name for name, has in (("AMX", torch.cpu._is_amx_tile_supported()),
+                                       ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported())) if has]
+    return ", ".join(features) or None

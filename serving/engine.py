@@ -35,7 +35,8 @@ from decode import check_request, check_step
 from features.constraint import Grammar
 from kvcache import BlockPool, PagedKVCache
 from model import Transformer
-from ops.wide import wide_model
+from ops.cpu import native_bf16
+from ops.wide import copy_dtype, wide_model
 from params import SamplingParams, Token
 from serving.choices import Choice, Outputs, score_prompt
 from serving.contract import Event, Request
@@ -114,14 +115,16 @@ class Engine:
         self.outputs = Outputs(model, tokenizer, self.scheduler)  # the requests taken in, not ended
 
     def _wide_step(self, wide_rows: int | None) -> Step | None:
-        """An eager Step over ops.wide's float32 view of the model (in oneDNN's packed layout where torch has it),
-        for forwards of at least wide_rows rows (tokens), however the narrow step runs: eager over packed weights was
-        faster than a compiled step over plain ones (dev/LOG.md). None when not asked for or nothing widens."""
+        """An eager Step over ops.wide's float32 (or bf16: copy_dtype) view of the model, in oneDNN's packed layout
+        where torch has it, for forwards of at least wide_rows rows (tokens), however the narrow step runs: eager over
+        packed weights was faster than a compiled step over plain ones (dev/LOG.md). None when not asked for or
+        nothing widens."""
         if wide_rows is None:
             return None
         if self.device.type != "cpu" or self.decode_step.deterministic:
             raise ValueError("wide_rows (--wide-rows) is a CPU path for the default (not --deterministic) forwards")
-        wide = wide_model(self.model, packed=torch.backends.mkldnn.is_available())
+        dtype = copy_dtype(self.model, native_bf16(self.device) is not None)
+        wide = wide_model(self.model, packed=torch.backends.mkldnn.is_available(), dtype=dtype)
         return None if wide is None else Step(wide)
 
     def _step_for(self, rows: int) -> Step:

@@ -16,6 +16,7 @@ from serving import scheduler
 from step import Step
 from serving.engine import Engine, EngineConfig, QueueFull, Request
 from helpers import ROOT, ToyTokenizer
+from ops.cpu import native_bf16
 from params import SamplingParams
 from tiny_models import greedy_ids
 
@@ -230,10 +231,12 @@ def test_bad_chunk_and_wide_settings(model):
 
 
 def test_wide_rows_auto_picks_the_row_count_by_kernel_and_memory(model):
-    """serve.py's --wide-rows auto: under torch's AVX2 kernels int4 codes from INT4_ROWS rows and int8 codes from
-    SLOW_ROWS; under its AVX-512 ones neither; bf16 weights without native bf16 from SLOW_ROWS either way; nothing
-    for a float32 model or bf16 computed natively; off when the float32 copy would pass a quarter of memory."""
-    from ops.wide import INT4_ROWS, INT4_ROWS_FULL, SLOW_ROWS, auto_rows
+    """serve.py's --wide-rows auto: under torch's AVX2 kernels a float32 copy for int4 codes from INT4_ROWS rows and
+    int8 codes from SLOW_ROWS; under its AVX-512 ones a bf16 copy for both from BF16_ROWS where the CPU computes bf16
+    natively and the activations are bf16, else none; bf16 weights without native bf16 from SLOW_ROWS either way;
+    nothing for a float32 model or bf16 computed natively; off when the copy would pass a quarter of memory."""
+    from ops.wide import (BF16_ROWS, BF16_ROWS_FULL, INT4_ROWS, INT4_ROWS_FULL, SLOW_ROWS, auto_rows, copy_dtype,
+                          widens)
     from quantize import quantize_model
 
     def auto(m, mode="none", memory=10 ** 12, native_bf16=False, avx512=False):
@@ -244,7 +247,13 @@ def test_wide_rows_auto_picks_the_row_count_by_kernel_and_memory(model):
     rows, why = auto(int4)
     assert rows == INT4_ROWS and "float32 copy" in why and auto(int4, "blocks", native_bf16=True)[0] == INT4_ROWS
     assert auto(int4, "full")[0] == INT4_ROWS_FULL
-    assert auto(int4, avx512=True) == (None, "off: torch's AVX-512 int4/int8 kernels beat the copy")
+    off = (None, "off: torch's AVX-512 int4/int8 kernels beat a float32 copy")
+    assert auto(int4, avx512=True) == off and auto(int4, avx512=True, native_bf16=True) == off  # float32 activations
+    int4_bf16 = quantize_model(copy.deepcopy(model).to(torch.bfloat16), "int4:32")
+    assert copy_dtype(int4_bf16, True) == torch.bfloat16 and copy_dtype(int4_bf16, False) == torch.float32
+    rows, why = auto(int4_bf16, avx512=True, native_bf16=True)
+    assert rows == BF16_ROWS and "bfloat16 copy" in why
+    assert auto(int4_bf16, "full", avx512=True, native_bf16=True)[0] == BF16_ROWS_FULL
     int8 = quantize_model(copy.deepcopy(model), "int8")
     assert auto(int8, "full", native_bf16=True)[0] == SLOW_ROWS and auto(int8, avx512=True)[0] is None
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
@@ -254,11 +263,14 @@ def test_wide_rows_auto_picks_the_row_count_by_kernel_and_memory(model):
     assert auto(int4, memory=4 * size)[0] == INT4_ROWS
     rows, why = auto(int4, memory=4 * size - 1)
     assert rows is None and why.startswith("off: its float32 copy")
+    size16 = sum(2 * m.in_features * m.out_features for m in int4_bf16.modules() if widens(m))  # bf16 bytes
+    assert auto(int4_bf16, memory=4 * size16, avx512=True, native_bf16=True)[0] == BF16_ROWS
+    assert auto(int4_bf16, memory=4 * size16 - 1, avx512=True, native_bf16=True)[0] is None
 
 
 def test_wide_rows_run_the_dequantized_copy_and_answer_as_the_kernels(model):
-    """wide_rows: decode batches of that many rows and prefill chunks of that many tokens run ops.wide's float32
-    copy of an int4 model's layers (its tensors otherwise the model's own); its logits are the kernel path's within
+    """wide_rows: decode batches of that many rows and prefill chunks of that many tokens run ops.wide's float32 (or
+    bf16) copy of an int4 model's layers (its tensors otherwise the model's own); its logits are the kernel path's within
     the kernel's bf16 activation rounding, and its greedy tokens are the same."""
     from ops.wide import WideLinear, wide_model
     from quantize import Int4Linear, quantize_model
@@ -275,6 +287,13 @@ def test_wide_rows_run_the_dequantized_copy_and_answer_as_the_kernels(model):
     if torch.backends.mkldnn.is_available():  # the same matrices in oneDNN's layout: float32 rounding apart
         packed = wide_model(q, packed=True)(tokens, torch.arange(12), None, all_logits=True)
         assert (packed - got).abs().max() < 1e-4 * got.abs().max()
+    half = wide_model(q, dtype=torch.bfloat16)  # the copy where the CPU computes bf16 natively (ops.wide.copy_dtype)
+    assert all(m.weight.dtype == torch.bfloat16 for m in half.modules() if isinstance(m, WideLinear))
+    got16 = half(tokens, torch.arange(12), None, all_logits=True)
+    assert got16.dtype == got.dtype and (got16 - got).abs().max() < 0.05 * got.abs().max()
+    if torch.backends.mkldnn.is_available() and native_bf16(torch.device("cpu")):  # oneDNN packs bf16 there
+        packed16 = wide_model(q, packed=True, dtype=torch.bfloat16)(tokens, torch.arange(12), None, all_logits=True)
+        assert (packed16 - got16).abs().max() < 0.02 * got16.abs().max()
     rows = []  # (whether the wide copy ran it, rows x tokens)
 
     class Recording(Step):

@@ -41,8 +41,6 @@ import sys
 import threading
 import time
 
-import torch
-
 from cli import (DTYPES, THREADS, THREADS_HELP, WEIGHTS_CACHE_HELP, Range, add_model_flags, add_parallel_flags,
                  chat_template_arg, check_generation_config, check_parallel_flags, check_ranges, generation_config,
                  model_of, native_bf16, pick_device, pick_dtype, run_cli, set_threads, version_line, weights_cache)
@@ -57,6 +55,7 @@ from serving.engine import Engine, EngineConfig
 from serving.gate import BACKLOG, LOCAL_HOSTS, Connections, GuardedH11Protocol, ServeConfig, use_file_descriptors
 from kvcache import BlockPool
 from ops import wide
+from ops.cpu import avx512_kernels
 from step import COMPILE_HELP, COMPILE_MODES, DETERMINISTIC_HELP, Step, check_deterministic
 
 API_KEY_ENV = "TINYLLM_API_KEY"  # --api-key's default
@@ -328,9 +327,8 @@ def pick_wide_rows(args: argparse.Namespace, model, mode: str) -> tuple[int | No
     if args.deterministic or args.pipeline_parallel is not None:
         return None, "off: --deterministic" if args.deterministic else "off: pipeline parallel"
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's, in bytes
-    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")  # the kernels torch dispatches
     return wide.auto_rows(model, memory, mode, native_bf16=native_bf16(model.embed_tokens.weight.device) is not None,
-                          avx512=avx512)
+                          avx512=avx512_kernels())
 
 
 def compile_steps(engine: Engine, quiet: bool) -> None:

@@ -63,9 +63,14 @@ def native_bf16(device: torch.device, capability: str | None = None) -> str | No
     torch.backends.cpu.get_cpu_capability(): ATEN_CPU_CAPABILITY=avx2 runs the AVX2 kernels, which emulate bf16)."""
     if device.type == "cuda":
         return "CUDA"
-    capability = capability or torch.backends.cpu.get_cpu_capability()
-    if not capability.startswith("AVX512"):
+    if not avx512_kernels(capability):
         return None
     features = [name for name, has in (("AMX", torch.cpu._is_amx_tile_supported()),
                                        ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported())) if has]
     return ", ".join(features) or None
+
+
+def avx512_kernels(capability: str | None = None) -> bool:
+    """Whether torch dispatches its AVX-512 CPU kernels (capability, default torch.backends.cpu.get_cpu_capability():
+    ATEN_CPU_CAPABILITY=avx2 makes an AVX-512 CPU run the AVX2 ones)."""
+    return (capability or torch.backends.cpu.get_cpu_capability()).startswith("AVX512")

@@ -102,14 +102,10 @@ def auto_rows(model: Transformer, memory_bytes: int, mode: str, *, native_bf16: 
         return None, "off: torch's AVX-512 int4/int8 kernels beat a float32 copy"
     else:
         return None, "off: no layer it pays for"
-    size = sum(dtype.itemsize * m.in_features * m.out_features for m in layers)
+    size, name = sum(dtype.itemsize * m.in_features * m.out_features for m in layers), str(dtype).removeprefix("torch.")
     if size * MEMORY_SHARE > memory_bytes:
-        return None, f"off: its {dtype_name(dtype)} copy ({size / 1e9:.1f} GB) would pass 1/{MEMORY_SHARE} of memory"
-    return rows, f"{rows}+ rows through a {size / 1e9:.2f} GB {dtype_name(dtype)} copy"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+        return None, f"off: its {name} copy ({size / 1e9:.1f} GB) would pass 1/{MEMORY_SHARE} of memory"
+    return rows, f"{rows}+ rows through a {size / 1e9:.2f} GB {name} copy"
 
 
 def wide_model(model: Transformer, packed: bool = False, dtype: torch.dtype = torch.float32) -> Transformer | None:

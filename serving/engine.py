@@ -13,7 +13,7 @@ Every step() is one iteration, inbox -> schedule -> forward -> sample -> emit:
      and penalties; a prompt that is in first forks into its request's choices (n, best_of); a sequence that
      finishes frees its blocks at once, so the next step can admit a waiting one (continuous, iteration-level
      batching);
-  5. emit: hand the step's Events (text, tokens, logprobs) to the requests' callbacks.
+  5. emit: hand the step's Events (text, tokens, logprobs) to the requests' callbacks, then on_step_events.
 Work that uses the model outside the KV cache (an embedding's forward) is a job (run_job): the step runs the oldest
 one first, on this thread, so no two threads ever run the model at once.
 
@@ -113,6 +113,9 @@ class Engine:
         self.wake = threading.Condition(self.lock)
         self.ids = itertools.count()
         self.outputs = Outputs(model, tokenizer, self.scheduler)  # the requests taken in, not ended
+        # Called on this thread once a step's events are handed out (after emit): a server wakes its event loop
+        # there once for all of them, not once an event.
+        self.on_step_events: Callable[[], None] | None = None
 
     def _wide_step(self, wide_rows: int | None) -> Step | None:
         """An eager Step over ops.wide's float32 (or bf16: copy_dtype) view of the model, in oneDNN's packed layout
@@ -212,6 +215,8 @@ class Engine:
             self.outputs.sample(seq, logits)
         for request_id in self.outputs.emit():  # a callback raised: its request is aborted, the engine serves on
             self.abort(request_id)
+        if self.on_step_events is not None:
+            self.on_step_events()
         return self.has_work()
 
     def _run_job(self) -> None:

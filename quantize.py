@@ -340,7 +340,7 @@ class Int8GroupLinear(nn.Module):
         if not self.compiled:
             return self.halves(torch.cat([x, x], dim=-1))  # (..., N)
         rows = x.reshape(-1, self.in_features)  # (M, K)
-        y = torch.stack([gemv.run(gemv.gemv_bytes, row, self.words, self.word_scales) for row in rows])  # (M, N)
+        y = gemv.gemv_rows(rows.float(), self.words, self.word_scales)  # (M, N)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -392,10 +392,9 @@ def avx2(device: torch.device) -> bool:
 
 def compiled_head(model: nn.Module, compiled: bool) -> None:
     """What a step runs a GGUF's Q8_0 head (Int8GroupLinear) as: compiled, its words where the load made them
-    (AVX2), one Inductor kernel of their own; else the int4 halves. Step.set_up calls it, compiled for `blocks`
-    (the head runs between the compiled layers). Not for an eager step (also after a compile failed): a kernel
-    compiled once per shape does not repay a short answer. Not for `full`: in its whole-step graph Inductor fuses
-    the final norm into the words' loop, 1.7x slower than the halves (dev/LOG.md)."""
+    (AVX2), one Inductor kernel of their own (gemv.gemv_rows, an op of its own inside a `full` step's graph); else
+    the int4 halves. Step.set_up calls it, compiled for `blocks` and `full`. Not for an eager step (also after a
+    compile failed): a kernel compiled once per shape does not repay a short answer."""
     if isinstance(model.lm_head, Int8GroupLinear):
         model.lm_head.compiled = compiled and model.lm_head.words is not None
 

@@ -178,7 +178,7 @@ class Step:
     def set_up(self, compile_prefill: bool = False) -> None:
         """The compiled callables self.mode runs (compiled on their first call)."""
         cpu = self.model.embed_tokens.weight.device.type == "cpu"
-        compiled_head(self.model, self.mode == "blocks")  # a Q8_0 head's words where the load made them (AVX2)
+        compiled_head(self.model, self.mode != "none")  # a Q8_0 head's words where the load made them (AVX2)
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
         # first compile (dev/LOG.md).
         options = {"cpp_wrapper": True, **vector_width(self.model)} if cpu and self.mode != "none" else {}  # 3 s

@@ -1,5 +1,6 @@
-"""The one-row product a `blocks` step runs a GGUF's Q8_0 head (Int8GroupLinear) with where torch dispatches its AVX2
-kernels (no AVX-512): its codes as words (quantize.compiled_head).
+"""The one-row product a compiled step (blocks or full) runs a GGUF's Q8_0 head (Int8GroupLinear) with where torch
+dispatches its AVX2 kernels (no AVX-512): its codes as words (quantize.compiled_head), each row through one kernel of
+its own (gemv_rows).
 
 There, torch's int4 kernel (which runs the head as two 4-bit halves) streams weights at about half the speed it reaches
 with AVX-512. Inductor's own code for an integer tensor (uint8, int8, int32) loads each vector through a stack buffer
@@ -57,8 +58,8 @@ def gemv_bytes(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> to
 
 @functools.cache
 def compiled(fn: Callable, shapes: tuple) -> Callable:
-    """fn as one Inductor kernel for these argument shapes, for eager callers (a compiled step traces fn into its own
-    graph). Each shape gets a code object of its own, so Dynamo compiles each once, with static shapes (a symbolic
+    """fn as one Inductor kernel for these argument shapes, called eagerly (gemv_rows: also from inside a compiled
+    step's graph, as an op of its own). Each shape gets a code object of its own, so Dynamo compiles each once, with static shapes (a symbolic
     kernel is ~35% slower), never hitting its recompile limit. The vector width is named so that Inductor's on-disk
     cache keeps AVX2 and AVX-512 code apart (step.vector_width)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -68,8 +69,15 @@ def compiled(fn: Callable, shapes: tuple) -> Callable:
     return torch.compile(own, dynamic=False, fullgraph=True, options=options)
 
 
-def run(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
-    """fn (gemv_bytes), compiled: inside a graph being compiled, as ops of that graph; else as its own kernel."""
-    if torch.compiler.is_compiling():
-        return fn(*args)
-    return compiled(fn, tuple(a.shape for a in args))(*args)
+@torch.library.custom_op("tinyllm::gemv_rows", mutates_args=())
+def gemv_rows(rows: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) -> (M, N) float32: each row through gemv_bytes compiled alone (its own kernel). An op of its own
+    inside a compiled step's graph, which Inductor cannot fuse into: in a whole-step graph it fused the final norm
+    into the words' loop, recomputing it for every block of outputs (1.7x slower than the int4 halves)."""
+    kernel = compiled(gemv_bytes, (rows.shape[1:], words.shape, scales.shape))
+    return torch.stack([kernel(row, words, scales) for row in rows])  # (M, N)
+
+
+@gemv_rows.register_fake
+def _(rows: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], words.shape[0], dtype=torch.float32)  # (M, N)

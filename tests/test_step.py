@@ -151,12 +151,12 @@ def with_q8_0_head(model, monkeypatch):
 
 @pytest.mark.slow
 def test_a_compiled_step_runs_the_q8_0_heads_words(tiny, monkeypatch, capsys):
-    """blocks runs a Q8_0 head's words (quantize.compiled_head); eager and full run its halves, and so does a step
+    """blocks and full run a Q8_0 head's words (quantize.compiled_head); eager runs its halves, and so does a step
     whose compile failed, whatever forward (prefill or decode) compiled first."""
     model = with_q8_0_head(copy.deepcopy(tiny), monkeypatch)
     assert Step(model, "blocks") and model.lm_head.compiled
     assert Step(model) and not model.lm_head.compiled
-    assert Step(model, "full") and not model.lm_head.compiled
+    assert Step(model, "full") and model.lm_head.compiled
     monkeypatch.setattr(torch, "compile", broken_compile)
     monkeypatch.setattr(gemv, "compiled", lambda fn, shapes: broken_compile(fn))
     step = Step(model, "auto")
@@ -165,6 +165,35 @@ def test_a_compiled_step_runs_the_q8_0_heads_words(tiny, monkeypatch, capsys):
     assert step.mode == "none" and step.failed and not model.lm_head.compiled
     assert capsys.readouterr().err.count("\n") == 1
     assert torch.equal(fell_back, greedy_steps(Step(model), [7, 8, 9], 2))
+
+
+@pytest.mark.slow
+def test_the_full_step_runs_the_q8_0_heads_words_as_their_own_kernel(tiny, monkeypatch):
+    """Under full, a Q8_0 head's words run as an op of their own inside the whole-step graph (gemv.gemv_rows, its
+    kernel compiled alone): 8 greedy steps of one row and of three give the logits of the exact product with the
+    head's dequantized weight (<= 1e-4, as blocks gives eager's), and the op ran, once a row."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = with_q8_0_head(copy.deepcopy(tiny), monkeypatch)
+    exact = copy.deepcopy(model)
+    exact.lm_head = torch.nn.Linear(model.args.dim, model.args.vocab_size, bias=False)
+    exact.lm_head.weight.data = model.lm_head.dequantize()
+    calls = []
+    kernel = gemv.compiled
+
+    def counted(fn, shapes):
+        one = kernel(fn, shapes)
+        return lambda *args: calls.append(shapes) or one(*args)
+
+    monkeypatch.setattr(gemv, "compiled", counted)
+    step = Step(model, "full")
+    assert step.mode == "full" and model.lm_head.compiled
+    for rows in (1, 3):
+        calls.clear()
+        logits = greedy_steps(step, [7, 8, 9], 8, rows)
+        assert len(calls) == 9 * rows  # the prefill's last position and 8 steps, each row
+        assert (logits - greedy_steps(Step(exact), [7, 8, 9], 8, rows)).abs().max() <= 1e-4
 
 
 @pytest.mark.slow

@@ -59,9 +59,9 @@ def gemv_bytes(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> to
 @functools.cache
 def compiled(fn: Callable, shapes: tuple) -> Callable:
     """fn as one Inductor kernel for these argument shapes, called eagerly (gemv_rows: also from inside a compiled
-    step's graph, as an op of its own). Each shape gets a code object of its own, so Dynamo compiles each once, with static shapes (a symbolic
-    kernel is ~35% slower), never hitting its recompile limit. The vector width is named so that Inductor's on-disk
-    cache keeps AVX2 and AVX-512 code apart (step.vector_width)."""
+    step's graph, as an op of its own). Each shape gets a code object of its own, so Dynamo compiles each once, with
+    static shapes (a symbolic kernel is ~35% slower), never hitting its recompile limit. The vector width is named so
+    that Inductor's on-disk cache keeps AVX2 and AVX-512 code apart (step.vector_width)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)

@@ -1382,3 +1382,45 @@ def test_sigint_drains_and_a_second_one_ends_the_rest(smollm2_gguf):
         assert_exit_0(proc, finished, ended)
     finally:
         stop_server(proc)
+
+
+@pytest.mark.slow
+def test_a_steps_events_reach_the_loop_in_one_wake_up(reference, greedy_8):
+    """In process: 4 streams decoding together; the engine thread wakes the event loop once a step for all that
+    step's events (Server.hand_over), never once an event, and every stream still gets its greedy text, in order."""
+    app = local_app(reference)
+    server = app.state.server
+    wakes, steps = [], []
+    hand_over = server.hand_over
+
+    def counted_hand_over():
+        steps.append(len(server.outbox))
+        hand_over()
+
+    server.engine.on_step_events = counted_hand_over
+
+    async def run() -> list[str]:
+        async with in_process(app) as c:
+            loop = asyncio.get_running_loop()
+            post = loop.call_soon_threadsafe
+            loop.call_soon_threadsafe = lambda fn, *args: (wakes.append(fn), post(fn, *args))[1]
+            try:
+                answers = []
+
+                async def stream() -> None:
+                    text = ""
+                    async with c.stream("POST", "/v1/completions", json={**GREEDY, "stream": True}) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                text += json.loads(line[6:])["choices"][0]["text"]
+                    answers.append(text)
+
+                await asyncio.gather(*[stream() for _ in range(4)])
+                return answers
+            finally:
+                del loop.call_soon_threadsafe
+
+    assert asyncio.run(run()) == [greedy_8] * 4
+    deliveries = [fn for fn in wakes if fn == server.deliver]
+    assert len(deliveries) <= sum(1 for n in steps if n) < sum(steps)  # one wake-up a step, for several events
+    assert max(steps) >= 4  # the four streams' tokens of one step went in one delivery

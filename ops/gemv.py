@@ -61,11 +61,14 @@ def compiled(fn: Callable, shapes: tuple) -> Callable:
     """fn as one Inductor kernel for these argument shapes, called eagerly (gemv_rows: also from inside a compiled
     step's graph, as an op of its own). Each shape gets a code object of its own, so Dynamo compiles each once, with
     static shapes (a symbolic kernel is ~35% slower), never hitting its recompile limit. The vector width is named so
-    that Inductor's on-disk cache keeps AVX2 and AVX-512 code apart (step.vector_width)."""
+    that Inductor's on-disk cache keeps AVX2 and AVX-512 code apart (step.vector_width). Multiplies and adds contract
+    into FMAs (one rounding where there were two): the Q8_0 head's words 2.1 -> 1.9 ms a row on an AVX2 Zen 4, 2
+    threads, and no further from the exact product (dev/LOG.md)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
-    options = {"cpp_wrapper": True, "cpp.simdlen": pick_vec_isa().bit_width()}
+    options = {"cpp_wrapper": True, "cpp.simdlen": pick_vec_isa().bit_width(),
+               "cpp.enable_floating_point_contract_flag": "fast"}
     return torch.compile(own, dynamic=False, fullgraph=True, options=options)
 
 

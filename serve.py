@@ -43,7 +43,7 @@ import time
 
 from cli import (DTYPES, THREADS, THREADS_HELP, WEIGHTS_CACHE_HELP, Range, add_model_flags, add_parallel_flags,
                  chat_template_arg, check_generation_config, check_parallel_flags, check_ranges, generation_config,
-                 model_of, native_bf16, pick_device, pick_dtype, run_cli, set_threads, version_line, weights_cache)
+                 model_of, pick_device, pick_dtype, run_cli, set_threads, version_line, weights_cache)
 from features import pp, tp
 from features.embed import POOLINGS
 from features.reasoning import PARSERS
@@ -55,7 +55,7 @@ from serving.engine import Engine, EngineConfig
 from serving.gate import BACKLOG, LOCAL_HOSTS, Connections, GuardedH11Protocol, ServeConfig, use_file_descriptors
 from kvcache import BlockPool
 from ops import wide
-from ops.cpu import avx512_kernels
+from ops.cpu import avx512_kernels, native_bf16
 from step import COMPILE_HELP, COMPILE_MODES, DETERMINISTIC_HELP, Step, check_deterministic
 
 API_KEY_ENV = "TINYLLM_API_KEY"  # --api-key's default

@@ -14,11 +14,10 @@ import torch.nn.functional as F
 
 import generate
 from ops import invariant
-from cli import native_bf16
 from decode import new_cache
 from serving.engine import Engine, EngineConfig, Request
 from helpers import ToyTokenizer
-from ops.cpu import decode_attention
+from ops.cpu import decode_attention, native_bf16
 from quantize import make_quantized_linear, parse_mode
 from params import SamplingParams
 from step import Step

@@ -10,10 +10,11 @@ linear layers take the CPU's own paths (device_paths, ops/cpu.py).
 
 Shape legend: B rows, T tokens fed, V vocab.
 """
+import os
 import sys
 import types
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -78,6 +79,19 @@ def gemv_backend(tokens: torch.Tensor, steps: bool = True):
         yield
     finally:
         torch.backends.mkldnn.enabled = enabled
+
+
+def packs_rows(model: Transformer, memory_bytes: int | None = None) -> bool:
+    """Whether a `full` step's graph of many rows takes the model's float linear weights (bf16, fp16, float32) as
+    constants in oneDNN's packed (blocked) layout: Inductor's freezing, on CPU, where that second copy of them takes
+    at most a quarter of memory_bytes (default: this machine's). A GEMM of a few rows over a plain matrix first
+    reorders it, every call: SmolLM2 in bf16 on an AVX-512 Zen 4, an 8-row step's linears 24.8 ms plain against 14.0
+    packed (dev/LOG.md). One row keeps its GEMV over the plain weight (gemv_backend, cpu.linear)."""
+    if model.embed_tokens.weight.device.type != "cpu":
+        return False
+    size = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
+    memory_bytes = memory_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 0 < size * 4 <= memory_bytes
 
 
 def eager(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
@@ -178,6 +192,7 @@ class Step:
     def set_up(self, compile_prefill: bool = False) -> None:
         """The compiled callables self.mode runs (compiled on their first call)."""
         cpu = self.model.embed_tokens.weight.device.type == "cpu"
+        self.packed = False  # the full step's many-row graph freezes its weights (packs_rows)
         compiled_head(self.model, self.mode != "none")  # a Q8_0 head's words where the load made them (AVX2)
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
         # first compile (dev/LOG.md).
@@ -189,6 +204,7 @@ class Step:
             self.block = torch.compile(own_code(Block.forward), fullgraph=True, options=options)
         if self.mode == "full":
             self.one, self.many = self.compile_full(options, compile_prefill)
+            self.packed = packs_rows(self.model)
 
     @property
     def cuda_graphs(self) -> bool:
@@ -223,6 +239,15 @@ class Step:
                              options={**guards, **vector_width(self.model)}) if prefill else forward_logits
         return one, many
 
+    def freezing(self, tokens: torch.Tensor):
+        """Inductor's freezing (packs_rows) while a `full` step of many rows runs: what its graph is compiled with,
+        on its first call (Dynamo compiles one graph for one row and one for the rest, symbolic)."""
+        if not self.packed or tokens.shape[0] == 1:
+            return nullcontext()
+        from torch._inductor import config
+
+        return config.patch(freezing=True)
+
     def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, all_logits: bool = False,
                  prefill: bool = False) -> torch.Tensor:
         """tokens (B, T) at input_pos (T,) or (B, T) -> logits (B, V), or (B, T, V) with all_logits. prefill: the
@@ -238,7 +263,7 @@ class Step:
             if self.mode == "full":
                 if T > 1 or prefill:
                     return self.many(model, tokens, input_pos, cache, all_logits, None, steps)
-                with gemv_backend(tokens):  # read at run time by the matmuls the compiled code calls
+                with gemv_backend(tokens), self.freezing(tokens):  # read at run time, and by a compile
                     return self.one(model, tokens, input_pos, cache, all_logits, None, steps)
             if self.mode != "none":  # a prefill: eager, but a compiled head compiles its kernel on the first
                 return eager(model, tokens, input_pos, cache, all_logits, None, steps)

@@ -10,7 +10,8 @@ import torch
 from ops import gemv
 from helpers import run_py
 from kvcache import KVCache
-from step import COMPILE_PAYS_AFTER, Step, auto_mode, device_paths, eager, gemv_backend
+from model import Linear
+from step import COMPILE_PAYS_AFTER, Step, auto_mode, device_paths, eager, gemv_backend, packs_rows
 
 
 @pytest.mark.slow
@@ -265,6 +266,33 @@ def test_auto_blocks_fall_back_to_eager_when_compiling_fails(tiny, monkeypatch, 
     assert err.rstrip().endswith("decoding without it")
     with pytest.raises(ValueError, match=r"torch.compile failed \(BackendCompilerFailed.*run with --compile none"):
         greedy_steps(Step(tiny, "blocks"), [7, 8, 9], 1)
+
+
+@pytest.mark.slow
+def test_the_full_steps_many_rows_take_packed_weights(tiny):
+    """On CPU the full step's graph of several rows is compiled with Inductor's freezing: its linears read weights
+    packed once, at compile time (step.packs_rows); one row keeps the plain weights. 8 greedy steps of three rows
+    and of one give eager's logits (<= 1e-4)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch._inductor import config
+
+    torch._dynamo.reset()
+    counters.clear()
+    step = Step(tiny, "full")
+    assert step.packed
+    with config.patch(fx_graph_cache=False):  # a cached graph skips the passes that count
+        for rows in (1, 3):
+            logits = greedy_steps(step, [7, 8, 9], 8, rows)
+            assert (logits - greedy_steps(Step(tiny), [7, 8, 9], 8, rows)).abs().max() <= 1e-4
+            packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
+            assert packed == 0 if rows == 1 else packed >= len(tiny.layers) * 4  # q|k|v, o, gate|up, down
+
+
+def test_packed_rows_are_a_cpu_path_within_a_quarter_of_memory(tiny):
+    size = sum(m.weight.numel() * m.weight.element_size() for m in tiny.modules() if isinstance(m, Linear))
+    assert packs_rows(tiny, memory_bytes=4 * size) and not packs_rows(tiny, memory_bytes=4 * size - 1)
+    assert not Step(tiny).packed  # eager: no graph to freeze
 
 
 @pytest.mark.slow

@@ -191,12 +191,12 @@ class Step:
 
     def set_up(self, compile_prefill: bool = False) -> None:
         """The compiled callables self.mode runs (compiled on their first call)."""
-        cpu = self.model.embed_tokens.weight.device.type == "cpu"
+        on_cpu = self.model.embed_tokens.weight.device.type == "cpu"
         self.packed = False  # the full step's many-row graph freezes its weights (packs_rows)
         compiled_head(self.model, self.mode != "none")  # a Q8_0 head's words where the load made them (AVX2)
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
         # first compile (dev/LOG.md).
-        options = {"cpp_wrapper": True, **vector_width(self.model)} if cpu and self.mode != "none" else {}  # 3 s
+        options = {"cpp_wrapper": True, **vector_width(self.model)} if on_cpu and self.mode != "none" else {}  # 3 s
         if self.mode == "blocks":
             # Dynamo keeps its graphs on the code object, guarded on the module types (those guards stay): every
             # layer of this model shares one graph. A code object of its own per Step keeps another model's graphs,
@@ -205,6 +205,10 @@ class Step:
         if self.mode == "full":
             self.one, self.many = self.compile_full(options, compile_prefill)
             self.packed = packs_rows(self.model)
+            if on_cpu:  # the one-token decode's attention as reductions over the cache (eager paths as before)
+                for module in self.model.modules():
+                    if isinstance(module, Attention):
+                        module.attend = cpu.full_step_attention
 
     @property
     def cuda_graphs(self) -> bool:

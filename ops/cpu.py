@@ -34,6 +34,31 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return y.permute(0, 1, 3, 2, 4).reshape(B, H, T, D).to(q.dtype)  # (B, H, T, D)
 
 
+def written_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """decode_attention for one query a row (T = 1) written as two reductions, for a compiled step: Inductor then
+    reads each key and value where the cache holds them (a paged cache's gather fused into the loads), where the
+    batched matmuls need them copied out in float32 first. SmolLM2's shapes, 32 rows of 256 positions, compiled, 2
+    threads (AVX-512 Zen 4): 577 against 962 us a layer (dev/LOG.md)."""
+    B, H, _, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    qg = q.float().view(B, K, H // K, 1, D)  # (B, K, G, 1, D)
+    scores = (qg * k.float()[:, :, None]).sum(-1) / math.sqrt(D)  # (B, K, G, S)
+    scores = torch.where(mask.reshape(-1, 1, 1, S), scores, float("-inf"))
+    p = torch.softmax(scores, dim=-1)  # (B, K, G, S)
+    y = (p[..., None] * v.float()[:, :, None]).sum(-2)  # (B, K, G, D)
+    return y.reshape(B, H, 1, D).to(q.dtype)  # (B, H, 1, D)
+
+
+def full_step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        steps: bool) -> torch.Tensor:
+    """model.Attention's attend under a `full` compiled step (step.Step installs it): its compiled one-token decode
+    through written_decode_attention, everything else (eager, a verify, a prefill) as attention. Not `blocks`, whose
+    verify graph computes each query as its decode graph does (README, Exactness)."""
+    if steps and q.shape[2] == 1 and torch.compiler.is_compiling():
+        return written_decode_attention(q, k, v, mask)
+    return attention(q, k, v, mask, steps)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, steps: bool) -> torch.Tensor:
     """model.Attention's attend on CPU: decode steps and verifies (`steps`, at most DECODE_QUERIES queries) through
     decode_attention; a prefill through SDPA however few its tokens (a chunk, or a prompt's last tokens after a

@@ -122,6 +122,25 @@ def test_decode_attention_matches_reference_and_one_query_steps(window, dtype):
         assert torch.equal(decode_attention(q, *longer, padded), got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_written_decode_attention_matches_decode_attention(dtype):
+    """A full step's one-token attention (ops.cpu.written_decode_attention, two reductions) against the decode steps'
+    batched matmuls, for shared positions (mask (1, S)) and per-row ones (B, 1, 1, S)."""
+    from ops.cpu import decode_attention, written_decode_attention
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 6, 1, 16, generator=g).to(dtype)  # (B, H, 1, D)
+    k = torch.randn(3, 3, 20, 16, generator=g).to(dtype)  # (B, K, S, D)
+    v = torch.randn(3, 3, 20, 16, generator=g).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    shared = attention_mask(torch.tensor([13]), torch.arange(20), None)  # (1, S)
+    per_row = attention_mask(torch.tensor([[2], [11], [19]]), torch.arange(20), 4)[:, None]  # (B, 1, 1, S)
+    for mask in (shared, per_row):
+        got = written_decode_attention(q, k, v, mask)
+        assert got.dtype == dtype and got.shape == q.shape
+        assert (got.float() - decode_attention(q, k, v, mask).float()).abs().max() <= tol
+
+
 def test_sliding_window_mask_counts():
     mask = attention_mask(torch.arange(10), torch.arange(10), sliding_window=4)
     assert mask.sum(dim=1).tolist() == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]  # each query sees itself + 3 before

@@ -10,7 +10,8 @@ import torch
 from ops import gemv
 from helpers import run_py
 from kvcache import KVCache
-from model import Linear
+from model import Attention, Linear
+from ops import cpu
 from step import COMPILE_PAYS_AFTER, Step, auto_mode, device_paths, eager, gemv_backend, packs_rows
 
 
@@ -271,8 +272,9 @@ def test_auto_blocks_fall_back_to_eager_when_compiling_fails(tiny, monkeypatch, 
 @pytest.mark.slow
 def test_the_full_steps_many_rows_take_packed_weights(tiny):
     """On CPU the full step's graph of several rows is compiled with Inductor's freezing: its linears read weights
-    packed once, at compile time (step.packs_rows); one row keeps the plain weights. 8 greedy steps of three rows
-    and of one give eager's logits (<= 1e-4)."""
+    packed once, at compile time (step.packs_rows); one row keeps the plain weights. Its one-token attention is
+    written as reductions (ops.cpu.full_step_attention). 8 greedy steps of three rows and of one give eager's logits
+    (<= 1e-4)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     from torch._inductor import config
@@ -280,7 +282,7 @@ def test_the_full_steps_many_rows_take_packed_weights(tiny):
     torch._dynamo.reset()
     counters.clear()
     step = Step(tiny, "full")
-    assert step.packed
+    assert step.packed and all(m.attend is cpu.full_step_attention for m in tiny.modules() if isinstance(m, Attention))
     with config.patch(fx_graph_cache=False):  # a cached graph skips the passes that count
         for rows in (1, 3):
             logits = greedy_steps(step, [7, 8, 9], 8, rows)

@@ -245,7 +245,10 @@ class Step:
 
     def freezing(self, tokens: torch.Tensor):
         """Inductor's freezing (packs_rows) while a `full` step of many rows runs: what its graph is compiled with,
-        on its first call (Dynamo compiles one graph for one row and one for the rest, symbolic)."""
+        on its first call (Dynamo compiles one graph for one row and one for the rest, symbolic). A config patch, not
+        torch.compile's options, which Dynamo does not read for it; and with oneDNN enabled (never inside a one-row
+        gemv_backend): Inductor registers its packing patterns once a process, at the first frozen compile, and only
+        if oneDNN is on then (dev/LOG.md)."""
         if not self.packed or tokens.shape[0] == 1:
             return nullcontext()
         from torch._inductor import config

@@ -55,7 +55,7 @@ from serving.engine import Engine, EngineConfig
 from serving.gate import BACKLOG, LOCAL_HOSTS, Connections, GuardedH11Protocol, ServeConfig, use_file_descriptors
 from kvcache import BlockPool
 from ops import wide
-from ops.cpu import avx512_kernels, native_bf16
+from ops.cpu import avx512_kernels, memory_bytes, native_bf16
 from step import COMPILE_HELP, COMPILE_MODES, DETERMINISTIC_HELP, Step, check_deterministic
 
 API_KEY_ENV = "TINYLLM_API_KEY"  # --api-key's default
@@ -326,9 +326,8 @@ def pick_wide_rows(args: argparse.Namespace, model, mode: str) -> tuple[int | No
         return args.wide_rows, f"{args.wide_rows}+ rows (--wide-rows)"
     if args.deterministic or args.pipeline_parallel is not None:
         return None, "off: --deterministic" if args.deterministic else "off: pipeline parallel"
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's, in bytes
-    return wide.auto_rows(model, memory, mode, native_bf16=native_bf16(model.embed_tokens.weight.device) is not None,
-                          avx512=avx512_kernels())
+    bf16 = native_bf16(model.embed_tokens.weight.device) is not None
+    return wide.auto_rows(model, memory_bytes(), mode, native_bf16=bf16, avx512=avx512_kernels())
 
 
 def compile_steps(engine: Engine, quiet: bool) -> None:

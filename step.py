@@ -10,7 +10,6 @@ linear layers take the CPU's own paths (device_paths, ops/cpu.py).
 
 Shape legend: B rows, T tokens fed, V vocab.
 """
-import os
 import sys
 import types
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from kvcache import KVCache
 from model import Attention, Block, Linear, Transformer
 from ops import cpu
 from ops.invariant import BatchInvariant
+from ops.wide import MEMORY_SHARE
 from quantize import Int8Linear, compiled_head
 
 COMPILE_MODES = ("auto", "none", "blocks", "full")
@@ -36,14 +36,16 @@ DETERMINISTIC_HELP = ("batch-invariant forwards: a request's logits are bitwise 
         "with it, however its prefill is chunked and whether its prefix was cached (eager; slower: README, Exactness)")
 
 
-def device_paths(model: Transformer) -> Transformer:
+def device_paths(model: Transformer, mode: str = "none") -> Transformer:
     """Give the model's attention and linear layers the paths of the device it is on: the CPU's own (ops/cpu.py)
-    on CPU, the model's plain SDPA and F.linear elsewhere. Step calls it, and so does what runs a model outside a
-    Step (gptq.sampled_sequences, scripts/streaming.py)."""
+    on CPU, the model's plain SDPA and F.linear elsewhere. Step calls it with its mode (a `full` step's one-token
+    attention is written as reductions over the cache: cpu.full_step_attention), and so does what runs a model
+    outside a Step (gptq.sampled_sequences, scripts/streaming.py)."""
     on_cpu = model.embed_tokens.weight.device.type == "cpu"
+    attention = cpu.full_step_attention if mode == "full" else cpu.attention
     for module in model.modules():
         if isinstance(module, Attention):
-            module.attend = cpu.attention if on_cpu else Attention.attend  # model.sdpa
+            module.attend = attention if on_cpu else Attention.attend  # model.sdpa
         elif isinstance(module, Linear):
             module.product = cpu.linear if on_cpu else Linear.product  # F.linear
     return model
@@ -84,14 +86,14 @@ def gemv_backend(tokens: torch.Tensor, steps: bool = True):
 def packs_rows(model: Transformer, memory_bytes: int | None = None) -> bool:
     """Whether a `full` step's graph of many rows takes the model's float linear weights (bf16, fp16, float32) as
     constants in oneDNN's packed (blocked) layout: Inductor's freezing, on CPU, where that second copy of them takes
-    at most a quarter of memory_bytes (default: this machine's). A GEMM of a few rows over a plain matrix first
-    reorders it, every call: SmolLM2 in bf16 on an AVX-512 Zen 4, an 8-row step's linears 24.8 ms plain against 14.0
-    packed (dev/LOG.md). One row keeps its GEMV over the plain weight (gemv_backend, cpu.linear)."""
+    at most a quarter of memory_bytes (default: this machine's; MEMORY_SHARE, the wide copy's rule). A GEMM of a few
+    rows over a plain matrix first reorders it, every call: SmolLM2 in bf16 on an AVX-512 Zen 4, an 8-row step's
+    linears 24.8 ms plain against 14.0 packed (dev/LOG.md). One row keeps its GEMV over the plain weight
+    (gemv_backend, cpu.linear)."""
     if model.embed_tokens.weight.device.type != "cpu":
         return False
     size = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
-    memory_bytes = memory_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 0 < size * 4 <= memory_bytes
+    return 0 < size * MEMORY_SHARE <= (memory_bytes or cpu.memory_bytes())
 
 
 def eager(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
@@ -186,13 +188,13 @@ class Step:
             # Which experts run depends on the router's output, and each expert is its own module (so quantization
             # and tensor parallelism treat it as a dense MLP): a graph cannot pick a module by a computed index.
             raise ValueError("--compile does not support mixture-of-experts models (Mixtral); run with --compile none")
-        device_paths(model)
+        device_paths(model, self.mode)
         self.set_up(compile_prefill)
 
     def set_up(self, compile_prefill: bool = False) -> None:
         """The compiled callables self.mode runs (compiled on their first call)."""
         on_cpu = self.model.embed_tokens.weight.device.type == "cpu"
-        self.packed = False  # the full step's many-row graph freezes its weights (packs_rows)
+        self.packed = self.mode == "full" and packs_rows(self.model)  # its many-row graph freezes its weights
         compiled_head(self.model, self.mode != "none")  # a Q8_0 head's words where the load made them (AVX2)
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
         # first compile (dev/LOG.md).
@@ -204,11 +206,6 @@ class Step:
             self.block = torch.compile(own_code(Block.forward), fullgraph=True, options=options)
         if self.mode == "full":
             self.one, self.many = self.compile_full(options, compile_prefill)
-            self.packed = packs_rows(self.model)
-            if on_cpu:  # the one-token decode's attention as reductions over the cache (eager paths as before)
-                for module in self.model.modules():
-                    if isinstance(module, Attention):
-                        module.attend = cpu.full_step_attention
 
     @property
     def cuda_graphs(self) -> bool:

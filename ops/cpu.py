@@ -6,6 +6,7 @@ tested against (tests/test_model.py).
 Shape legend: B batch, T queries, S key positions, H query heads, K kv heads, G = H / K, D head dim, N output rows.
 """
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,11 @@ def native_bf16(device: torch.device, capability: str | None = None) -> str | No
     features = [name for name, has in (("AMX", torch.cpu._is_amx_tile_supported()),
                                        ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported())) if has]
     return ", ".join(features) or None
+
+
+def memory_bytes() -> int:
+    """This machine's memory, in bytes (what a second copy of weights is measured against: ops.wide, step)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def avx512_kernels(capability: str | None = None) -> bool:

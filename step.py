@@ -69,8 +69,9 @@ def forward_logits(model: Transformer, tokens: torch.Tensor, input_pos: torch.Te
 
 @contextmanager
 def gemv_backend(tokens: torch.Tensor, steps: bool = True):
-    """A one-row step multiplies one row by every weight matrix (a GEMV). On CPU, MKL streams bf16 weights about
-    twice as fast as oneDNN there, while oneDNN is the faster one for two rows or more, so it is off for one row.
+    """A one-row step multiplies one row by every weight matrix (a GEMV). On CPU, torch's own GEMV kernel streams
+    bf16 weights about twice as fast as oneDNN there (when not compiled as cpu.linear's reduction), while oneDNN is
+    the faster one for two rows or more, so it is off for one row.
     Not for a one-token prefill (steps False): it rounds as the same token in a longer prefill does."""
     if tokens.device.type != "cpu" or tokens.numel() != 1 or not steps:
         yield
@@ -199,6 +200,8 @@ class Step:
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
         # first compile (dev/LOG.md).
         options = {"cpp_wrapper": True, **vector_width(self.model)} if on_cpu and self.mode != "none" else {}  # 3 s
+        if on_cpu and self.mode != "none":  # the prim cpu.materialized calls (Inductor's, imported when it compiles)
+            import torch._inductor.inductor_prims  # noqa: F401
         if self.mode == "blocks":
             # Dynamo keeps its graphs on the code object, guarded on the module types (those guards stay): every
             # layer of this model shares one graph. A code object of its own per Step keeps another model's graphs,

@@ -71,16 +71,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
 
 
+# The weight dtypes whose one-row product a compiled step writes as a reduction (linear).
+REDUCED_WEIGHTS = (torch.float32, torch.bfloat16)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """model.Linear's product on CPU. Compiled with float32 weights, a one-row product is written as a
-    multiply-and-sum: Inductor makes that a vectorized reduction that streams the weight about twice as fast as the
-    GEMV of torch's matmul libraries (dev/LOG.md). bf16 weights keep F.linear: there MKL's GEMV is the faster one.
-    Eager or batched it is F.linear."""
-    if x.shape[:-1].numel() == 1 and weight.dtype == torch.float32 and torch.compiler.is_compiling():
-        y = (weight * x.reshape(1, -1).float()).sum(-1)  # (N,)
+    """model.Linear's product on CPU. Compiled, a one-row product over float32 or bf16 weights is written as a
+    multiply-and-sum over the row, computed once (materialized): Inductor makes that a vectorized reduction that
+    streams the weight faster than torch's GEMV kernels (float32: about twice MKL's; bf16: SmolLM2's one-row step
+    12.5 -> 10.7 ms on an AVX-512 Zen 4, dev/LOG.md). Eager or batched it is F.linear."""
+    if x.shape[:-1].numel() == 1 and weight.dtype in REDUCED_WEIGHTS and torch.compiler.is_compiling():
+        row = materialized(x.reshape(1, -1).float())  # (1, K)
+        y = (weight.float() * row).sum(-1)  # (N,)
         y = y if bias is None else y + bias
         return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)  # (..., N)
     return F.linear(x, weight, bias)
+
+
+def materialized(t: torch.Tensor) -> torch.Tensor:
+    """t, computed into a buffer of its own in a compiled graph. Inductor inlines a cheap producer (the norm before
+    q|k|v and gate|up, SwiGLU's silu(gate) * up before down) into the reduction that reads it, so a one-row
+    product recomputed it for every output row: the bf16 step took 15 ms where aten's GEMV took 12.5 (dev/LOG.md).
+    Inductor's own stride prim forces a buffer (it is registered by importing torch._inductor.inductor_prims, which
+    step.Step does before it compiles); eager, it returns t."""
+    return torch.ops.prims.inductor_force_stride_order(t, t.stride())
 
 
 def native_bf16(device: torch.device, capability: str | None = None) -> str | None:

@@ -291,6 +291,32 @@ def test_the_full_steps_many_rows_take_packed_weights(tiny):
             assert packed == 0 if rows == 1 else packed >= len(tiny.layers) * 4  # q|k|v, o, gate|up, down
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_one_row_product_is_a_reduction_over_its_row_computed_once(dtype):
+    """cpu.linear compiled for one row: a multiply-and-sum over the row (a norm's output here, which Inductor would
+    otherwise recompute for every output row), equal to F.linear's product (float32 to float rounding, bf16 to its
+    own); eager, cpu.materialized is the identity and the product is F.linear's, bitwise."""
+    import torch.nn.functional as F
+    import torch._inductor.inductor_prims  # noqa: F401 (what Step imports before it compiles)
+
+    g = torch.Generator().manual_seed(3)
+    x, gain = torch.randn(1, 1, 64, generator=g), torch.rand(64, generator=g) + 0.5
+    weight, bias = torch.randn(48, 64, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
+
+    def normed_product(x, gain, weight, bias):
+        row = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain).to(dtype)  # (1, 1, 64)
+        return cpu.linear(row, weight, bias)  # (1, 1, 48)
+
+    ref = normed_product(x, gain, weight, bias)
+    row = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain).to(dtype)
+    assert torch.equal(ref, F.linear(row, weight, bias)) and torch.equal(cpu.materialized(row), row)
+    got = torch.compile(normed_product, fullgraph=True, dynamic=False)(x, gain, weight, bias)
+    assert got.shape == ref.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+
+
 def test_packed_rows_are_a_cpu_path_within_a_quarter_of_memory(tiny):
     size = sum(m.weight.numel() * m.weight.element_size() for m in tiny.modules() if isinstance(m, Linear))
     assert packs_rows(tiny, memory_bytes=4 * size) and not packs_rows(tiny, memory_bytes=4 * size - 1)

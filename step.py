@@ -198,10 +198,8 @@ class Step:
         self.packed = self.mode == "full" and packs_rows(self.model)  # its many-row graph freezes its weights
         compiled_head(self.model, self.mode != "none")  # a Q8_0 head's words where the load made them (AVX2)
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
-        # first compile; and its intermediate buffers planned as one allocation a call (memory_planning), where
-        # SmolLM2's one-row step allocated 298: 0.97x its time (dev/LOG.md).
-        options = ({"cpp_wrapper": True, "memory_planning": True, **vector_width(self.model)}
-                   if on_cpu and self.mode != "none" else {})
+        # first compile (dev/LOG.md).
+        options = {"cpp_wrapper": True, **vector_width(self.model)} if on_cpu and self.mode != "none" else {}  # 3 s
         if on_cpu and self.mode != "none":  # the prim cpu.materialized calls (Inductor's, imported when it compiles)
             import torch._inductor.inductor_prims  # noqa: F401
         if self.mode == "blocks":

@@ -79,7 +79,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """model.Linear's product on CPU. Compiled, a one-row product over float32 or bf16 weights is written as a
     multiply-and-sum over the row, computed once (materialized): Inductor makes that a vectorized reduction that
     streams the weight faster than torch's GEMV kernels (float32: about twice MKL's; bf16: SmolLM2's one-row step
-    12.5 -> 10.7 ms on an AVX-512 Zen 4, dev/LOG.md). Eager or batched it is F.linear."""
+    12.7 -> 11.5 ms on an AVX-512 Zen 4, dev/LOG.md). Eager or batched it is F.linear."""
     if x.shape[:-1].numel() == 1 and weight.dtype in REDUCED_WEIGHTS and torch.compiler.is_compiling():
         row = materialized(x.reshape(1, -1).float())  # (1, K)
         y = (weight.float() * row).sum(-1)  # (N,)
@@ -91,7 +91,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def materialized(t: torch.Tensor) -> torch.Tensor:
     """t, computed into a buffer of its own in a compiled graph. Inductor inlines a cheap producer (the norm before
     q|k|v and gate|up, SwiGLU's silu(gate) * up before down) into the reduction that reads it, so a one-row
-    product recomputed it for every output row: the bf16 step took 15 ms where aten's GEMV took 12.5 (dev/LOG.md).
+    product recomputed it for every output row: the bf16 step took 15 ms where aten's GEMV took 12.7 (dev/LOG.md).
     Inductor's own stride prim forces a buffer (it is registered by importing torch._inductor.inductor_prims, which
     step.Step does before it compiles); eager, it returns t."""
     return torch.ops.prims.inductor_force_stride_order(t, t.stride())

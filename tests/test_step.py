@@ -293,10 +293,11 @@ def test_the_full_steps_many_rows_take_packed_weights(tiny):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_compiled_one_row_product_is_a_reduction_over_its_row_computed_once(dtype):
-    """cpu.linear compiled for one row: a multiply-and-sum over the row (a norm's output here, which Inductor would
-    otherwise recompute for every output row), equal to F.linear's product (float32 to float rounding, bf16 to its
-    own); eager, cpu.materialized is the identity and the product is F.linear's, bitwise."""
+def test_a_compiled_one_row_product_over_a_norms_output_equals_f_linear(dtype):
+    """cpu.linear compiled for one row: a multiply-and-sum over the row, materialized (a norm's output here, the
+    producer Inductor would otherwise recompute for every output row; the speed is dev/LOG.md's), equal to F.linear's
+    product (float32 to float rounding, bf16 to its own); eager, cpu.materialized is the identity and the product is
+    F.linear's, bitwise."""
     import torch.nn.functional as F
     import torch._inductor.inductor_prims  # noqa: F401 (what Step imports before it compiles)
 

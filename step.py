@@ -199,9 +199,10 @@ class Step:
         compiled_head(self.model, self.mode != "none")  # a Q8_0 head's words where the load made them (AVX2)
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
         # first compile (dev/LOG.md).
-        options = {"cpp_wrapper": True, **vector_width(self.model)} if on_cpu and self.mode != "none" else {}  # 3 s
-        if on_cpu and self.mode != "none":  # the prim cpu.materialized calls (Inductor's, imported when it compiles)
-            import torch._inductor.inductor_prims  # noqa: F401
+        options = {}
+        if on_cpu and self.mode != "none":
+            options = {"cpp_wrapper": True, **vector_width(self.model)}  # 3 s
+            import torch._inductor.inductor_prims  # noqa: F401 (the prim cpu.materialized calls; Inductor's own)
         if self.mode == "blocks":
             # Dynamo keeps its graphs on the code object, guarded on the module types (those guards stay): every
             # layer of this model shares one graph. A code object of its own per Step keeps another model's graphs,

@@ -305,12 +305,14 @@ def test_a_compiled_one_row_product_over_a_norms_output_equals_f_linear(dtype):
     x, gain = torch.randn(1, 1, 64, generator=g), torch.rand(64, generator=g) + 0.5
     weight, bias = torch.randn(48, 64, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
 
+    def normed(x, gain):
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain).to(dtype)  # (1, 1, 64)
+
     def normed_product(x, gain, weight, bias):
-        row = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain).to(dtype)  # (1, 1, 64)
-        return cpu.linear(row, weight, bias)  # (1, 1, 48)
+        return cpu.linear(normed(x, gain), weight, bias)  # (1, 1, 48)
 
     ref = normed_product(x, gain, weight, bias)
-    row = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain).to(dtype)
+    row = normed(x, gain)
     assert torch.equal(ref, F.linear(row, weight, bias)) and torch.equal(cpu.materialized(row), row)
     got = torch.compile(normed_product, fullgraph=True, dynamic=False)(x, gain, weight, bias)
     assert got.shape == ref.shape and got.dtype == dtype

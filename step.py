@@ -10,10 +10,11 @@ linear layers take the CPU's own paths (device_paths, ops/cpu.py).
 
 Shape legend: B rows, T tokens fed, V vocab.
 """
+import functools
 import sys
 import types
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
@@ -47,8 +48,18 @@ def device_paths(model: Transformer, mode: str = "none") -> Transformer:
         if isinstance(module, Attention):
             module.attend = attention if on_cpu else Attention.attend  # model.sdpa
         elif isinstance(module, Linear):
-            module.product = cpu.linear if on_cpu else Linear.product  # F.linear
+            packed = getattr(module, "packed_weight", None)  # pack_linears'
+            product = cpu.linear if packed is None else functools.partial(cpu.linear, packed=packed)
+            module.product = product if on_cpu else Linear.product  # F.linear
     return model
+
+
+def pack_linears(model: Transformer) -> None:
+    """Give each float Linear of a CPU model its weight packed for oneDNN (cpu.pack), once: device_paths then installs
+    it for the many-row products of a compiled step. A second copy of the weights (packs_rows says where it fits)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and getattr(module, "packed_weight", None) is None:
+            module.packed_weight = cpu.pack(module.weight)
 
 
 def forward_logits(model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
@@ -85,12 +96,11 @@ def gemv_backend(tokens: torch.Tensor, steps: bool = True):
 
 
 def packs_rows(model: Transformer, memory_bytes: int | None = None) -> bool:
-    """Whether a `full` step's graph of many rows takes the model's float linear weights (bf16, fp16, float32) as
-    constants in oneDNN's packed (blocked) layout: Inductor's freezing, on CPU, where that second copy of them takes
-    at most a quarter of memory_bytes (default: this machine's; MEMORY_SHARE, the wide copy's rule). A GEMM of a few
-    rows over a plain matrix first reorders it, every call: SmolLM2 in bf16 on an AVX-512 Zen 4, an 8-row step's
-    linears 24.8 ms plain against 14.0 packed (dev/LOG.md). One row keeps its GEMV over the plain weight
-    (gemv_backend, cpu.linear)."""
+    """Whether a `full` step's graph of many rows reads the model's float linear weights (float32, bf16) packed in
+    oneDNN's blocked layout (pack_linears, cpu.packed_linear): on CPU, where that second copy of them takes at most a
+    quarter of memory_bytes (default: this machine's; MEMORY_SHARE, the wide copy's rule). A GEMM of a few rows over a
+    plain matrix first reorders it, every call: SmolLM2 in bf16 on an AVX-512 Zen 4, an 8-row step's linears 24.8 ms
+    plain against 14.0 packed (dev/LOG.md). One row keeps its reduction over the plain weight (cpu.linear)."""
     if model.embed_tokens.weight.device.type != "cpu":
         return False
     size = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
@@ -195,7 +205,8 @@ class Step:
     def set_up(self, compile_prefill: bool = False) -> None:
         """The compiled callables self.mode runs (compiled on their first call)."""
         on_cpu = self.model.embed_tokens.weight.device.type == "cpu"
-        self.packed = self.mode == "full" and packs_rows(self.model)  # its many-row graph freezes its weights
+        self.packed = self.mode == "full" and packs_rows(self.model)  # its many-row graph reads packed weights
+        self.packed_now = False  # made at its first call (pack)
         compiled_head(self.model, self.mode != "none")  # a Q8_0 head's words where the load made them (AVX2)
         # On CPU, the code that calls a graph's kernels in C++ instead of Python: less time per step for a longer
         # first compile (dev/LOG.md).
@@ -244,17 +255,13 @@ class Step:
                              options={**guards, **vector_width(self.model)}) if prefill else forward_logits
         return one, many
 
-    def freezing(self, tokens: torch.Tensor):
-        """Inductor's freezing (packs_rows) while a `full` step of many rows runs: what its graph is compiled with,
-        on its first call (Dynamo compiles one graph for one row and one for the rest, symbolic). A config patch, not
-        torch.compile's options, which Dynamo does not read for it; and with oneDNN enabled (never inside a one-row
-        gemv_backend): Inductor registers its packing patterns once a process, at the first frozen compile, and only
-        if oneDNN is on then (dev/LOG.md)."""
-        if not self.packed or tokens.shape[0] == 1:
-            return nullcontext()
-        from torch._inductor import config
-
-        return config.patch(freezing=True)
+    def pack(self, tokens: torch.Tensor) -> None:
+        """Before the first `full` step of many rows (packs_rows): pack the weights its graph reads (pack_linears), so
+        that a one-row caller (generate.py) never makes the copy."""
+        if self.packed and tokens.shape[0] > 1 and not self.packed_now:
+            pack_linears(self.model)
+            device_paths(self.model, self.mode)
+            self.packed_now = True
 
     def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache, all_logits: bool = False,
                  prefill: bool = False) -> torch.Tensor:
@@ -271,7 +278,8 @@ class Step:
             if self.mode == "full":
                 if T > 1 or prefill:
                     return self.many(model, tokens, input_pos, cache, all_logits, None, steps)
-                with gemv_backend(tokens), self.freezing(tokens):  # read at run time, and by a compile
+                self.pack(tokens)
+                with gemv_backend(tokens):
                     return self.one(model, tokens, input_pos, cache, all_logits, None, steps)
             if self.mode != "none":  # a prefill: eager, but a compiled head compiles its kernel on the first
                 return eager(model, tokens, input_pos, cache, all_logits, None, steps)

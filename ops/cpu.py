@@ -73,19 +73,69 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 # The weight dtypes whose one-row product a compiled step writes as a reduction (linear).
 REDUCED_WEIGHTS = (torch.float32, torch.bfloat16)
+# The weight dtypes a packed copy is made of for a compiled step's many-row products (pack).
+PACKED_WEIGHTS = (torch.float32, torch.bfloat16)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: "PackedWeight | None" = None) -> torch.Tensor:
     """model.Linear's product on CPU. Compiled, a one-row product over float32 or bf16 weights is written as a
     multiply-and-sum over the row, computed once (materialized): Inductor makes that a vectorized reduction that
     streams the weight faster than torch's GEMV kernels (float32: about twice MKL's; bf16: SmolLM2's one-row step
-    12.7 -> 11.5 ms on an AVX-512 Zen 4, dev/LOG.md). Eager or batched it is F.linear."""
+    12.7 -> 11.5 ms on an AVX-512 Zen 4, dev/LOG.md). Compiled, many rows go through `packed`, the weight in oneDNN's
+    blocked layout (pack), where there is one. Eager it is F.linear."""
     if x.shape[:-1].numel() == 1 and weight.dtype in REDUCED_WEIGHTS and torch.compiler.is_compiling():
         row = materialized(x.reshape(1, -1).float())  # (1, K)
         y = (weight.float() * row).sum(-1)  # (N,)
         y = y if bias is None else y + bias
         return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)  # (..., N)
+    if packed is not None and torch.compiler.is_compiling():
+        y = torch.ops.tinyllm.packed_linear(x.reshape(-1, x.shape[-1]), packed.tensor, bias)  # (M, N)
+        return y.view(*x.shape[:-1], weight.shape[0])  # (..., N)
     return F.linear(x, weight, bias)
+
+
+class PackedWeight:
+    """A linear's weight (N, K) packed in oneDNN's blocked layout (pack): an opaque tensor, which copy.deepcopy cannot
+    copy. A deep copy of its module gets None in its place (plain products, packed again if a step asks), never the
+    original's packing: the copy's own weight may change."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """weight (N, K) packed for packed_linear; None where the dtype has no packed GEMM here (bf16 where oneDNN lacks
+    the AVX-512 it needs for it)."""
+    bf16 = weight.dtype == torch.bfloat16
+    if weight.dtype not in PACKED_WEIGHTS or bf16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, None))
+
+
+def packed_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows (M, K) -> (M, N) through oneDNN's GEMM over a packed weight (pack). A GEMM of a few rows over a plain
+    matrix first reorders it, every call: SmolLM2 in bf16, an 8-row step's linears 24.8 ms plain against 14.0 packed
+    (AVX-512 Zen 4, dev/LOG.md). An op of its own in a compiled graph (tinyllm::packed_linear), the packed weight one
+    of its inputs: Inductor's own oneDNN linear takes a packed weight only as a frozen constant, and a graph with such
+    constants never enters its on-disk cache (it cannot pickle them), so a server compiled it again at every start."""
+    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
+
+
+# tinyllm::packed_linear, registered plainly (torch.library.custom_op's wrapper costs ~17 us a call where this costs
+# ~3, and a step makes one call per linear: 121 for SmolLM2). For every dispatch key, the packed weight being a
+# oneDNN (MkldnnCPU) tensor; its fake computes the output's shape for Dynamo.
+LIBRARY = torch.library.Library("tinyllm", "FRAGMENT")
+LIBRARY.define("packed_linear(Tensor rows, Tensor packed, Tensor? bias) -> Tensor")
+LIBRARY.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinyllm::packed_linear", lib=LIBRARY)
+def _(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], packed.shape[0])  # (M, N)
 
 
 def materialized(t: torch.Tensor) -> torch.Tensor:

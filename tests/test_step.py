@@ -271,24 +271,35 @@ def test_auto_blocks_fall_back_to_eager_when_compiling_fails(tiny, monkeypatch, 
 
 @pytest.mark.slow
 def test_the_full_steps_many_rows_take_packed_weights(tiny):
-    """On CPU the full step's graph of several rows is compiled with Inductor's freezing: its linears read weights
-    packed once, at compile time (step.packs_rows); one row keeps the plain weights. Its one-token attention is
-    written as reductions (ops.cpu.full_step_attention). 8 greedy steps of three rows and of one give eager's logits
-    (<= 1e-4)."""
+    """On CPU the full step's graph of several rows reads each linear's weight packed once for oneDNN (step.packs_rows,
+    cpu.packed_linear), made at its first call of several rows, never for one row. Its one-token attention is written
+    as reductions (ops.cpu.full_step_attention). 8 greedy steps of one row and of three give eager's logits (<= 1e-4);
+    the three-row graph calls the packed product and, unlike a frozen graph, enters Inductor's on-disk cache."""
+    from unittest import mock
+
     import torch._dynamo
     from torch._dynamo.utils import counters
     from torch._inductor import config
+    from torch._inductor.graph import GraphLowering
 
+    model = copy.deepcopy(tiny)  # packing gives the shared model's linears a second weight
     torch._dynamo.reset()
     counters.clear()
-    step = Step(tiny, "full")
-    assert step.packed and all(m.attend is cpu.full_step_attention for m in tiny.modules() if isinstance(m, Attention))
-    with config.patch(fx_graph_cache=False):  # a cached graph skips the passes that count
+    step = Step(model, "full")
+    assert step.packed and all(m.attend is cpu.full_step_attention for m in model.modules() if isinstance(m, Attention))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    codes = []
+    with config.patch(fx_graph_cache=False), mock.patch.object(GraphLowering, "save_output_code", codes.append):
         for rows in (1, 3):
             logits = greedy_steps(step, [7, 8, 9], 8, rows)
             assert (logits - greedy_steps(Step(tiny), [7, 8, 9], 8, rows)).abs().max() <= 1e-4
-            packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
-            assert packed == 0 if rows == 1 else packed >= len(tiny.layers) * 4  # q|k|v, o, gate|up, down
+            packed = [getattr(m, "packed_weight", None) for m in linears]
+            assert all(p is None for p in packed) if rows == 1 else all(p is not None and p.tensor.is_mkldnn for p in packed)
+    assert len(codes) == 2 and "packed_linear" not in codes[0] and "tinyllm::packed_linear" in codes[1]
+    torch._dynamo.reset()
+    greedy_steps(Step(model, "full"), [7, 8, 9], 2, 3)  # the three-row graph compiled again, through the cache
+    assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] == 1
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """The CPU's own paths for a model's attention and linear layers, which step.device_paths installs on a CPU model
-(model.Attention.attend, model.Linear.product): a decode step's attention written out, and a one-row product that a
-compiled step computes as a vectorized reduction. The model's own paths (SDPA, F.linear) are the reference they are
-tested against (tests/test_model.py).
+(model.Attention.attend, model.Linear.product): a decode step's attention written out, a one-row product that a
+compiled step computes as a vectorized reduction, and a compiled product of several rows over a weight packed once
+for oneDNN (pack, packed_linear). The model's own paths (SDPA, F.linear) are the reference they are tested against
+(tests/test_model.py, tests/test_step.py).
 
 Shape legend: B batch, T queries, S key positions, H query heads, K kv heads, G = H / K, D head dim, N output rows.
 """

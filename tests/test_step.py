@@ -12,7 +12,8 @@ from helpers import run_py
 from kvcache import KVCache
 from model import Attention, Linear
 from ops import cpu
-from step import COMPILE_PAYS_AFTER, Step, auto_mode, device_paths, eager, gemv_backend, packs_rows
+from step import (COMPILE_PAYS_AFTER, Step, auto_mode, device_paths, eager, gemv_backend, pack_linears,
+                  packs_rows)
 
 
 @pytest.mark.slow
@@ -329,6 +330,25 @@ def test_a_compiled_one_row_product_over_a_norms_output_equals_f_linear(dtype):
     assert got.shape == ref.shape and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (got.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+
+
+def test_a_deep_copy_of_a_packed_model_packs_its_own(tiny):
+    """pack_linears gives each float linear a oneDNN-packed weight, which device_paths binds to its product; a deep
+    copy of the model (whose weights may then change) gets None in its place, not the original's packing, and both
+    compute eager logits as before."""
+    model = copy.deepcopy(tiny)
+    pack_linears(model)
+    device_paths(model)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight.tensor.is_mkldnn and m.product.keywords["packed"] is m.packed_weight
+                           for m in linears)
+    twin = copy.deepcopy(model)
+    twins = [m for m in twin.modules() if isinstance(m, Linear)]
+    assert all(m.packed_weight is None and m.product.keywords["packed"] is None for m in twins)
+    tokens = torch.tensor([[7, 8, 9]])
+    ref = eager(tiny, tokens, torch.arange(3), KVCache.for_model(tiny.args, 1, 3, torch.float32, "cpu"))
+    for m in (model, twin):
+        assert torch.equal(eager(m, tokens, torch.arange(3), KVCache.for_model(m.args, 1, 3, torch.float32, "cpu")), ref)
 
 
 def test_packed_rows_are_a_cpu_path_within_a_quarter_of_memory(tiny):

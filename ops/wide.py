@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import Linear, Transformer
+from ops import cpu  # noqa: F401 (registers tinyllm::packed_linear)
 from quantize import Int4Linear, Int8GroupLinear, Int8Linear
 
 QUANTIZED = (Int4Linear, Int8GroupLinear, Int8Linear)
@@ -38,9 +39,9 @@ MEMORY_SHARE = 4  # auto_rows makes the copy only where it takes at most a quart
 
 class WideLinear(nn.Module):
     """y = x @ W^T with W an (N, K) matrix in `dtype` (float32, or bf16 where the CPU computes it natively), for
-    activations of any float dtype (cast in and back). packed: W in oneDNN's blocked layout (an opaque tensor) for
-    eager steps, whose small-row GEMMs it runs 1.5-3x faster on two threads than the plain matrix (dev/LOG.md); a
-    compiled step takes the plain one (Inductor cannot take it)."""
+    activations of any float dtype (cast in and back). packed: W in oneDNN's blocked layout (an opaque tensor), whose
+    small-row GEMMs run 1.5-3x faster on two threads than the plain matrix (dev/LOG.md); a compiled step reads it
+    through cpu.packed_linear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool = False,
                  dtype: torch.dtype = torch.float32):
@@ -60,7 +61,10 @@ class WideLinear(nn.Module):
         if not self.packed:
             return F.linear(x.to(dtype), self.weight, self.bias).to(x.dtype)  # (..., N)
         rows = x.reshape(-1, self.in_features).to(dtype)  # (M, K)
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")  # (M, N)
+        if torch.compiler.is_compiling():  # an op of its own for a compiled step (Inductor's takes no packed input)
+            y = torch.ops.tinyllm.packed_linear(rows, self.weight, self.bias)  # (M, N)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")  # (M, N)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)  # (..., N)
 
 

@@ -36,7 +36,7 @@ from features.constraint import Grammar
 from kvcache import BlockPool, PagedKVCache
 from model import Transformer
 from ops.cpu import native_bf16
-from ops.wide import copy_dtype, wide_model
+from ops.wide import WideLinear, copy_dtype, wide_model
 from params import SamplingParams, Token
 from serving.choices import Choice, Outputs, score_prompt
 from serving.contract import Event, Request
@@ -118,17 +118,19 @@ class Engine:
         self.on_step_events: Callable[[], None] | None = None
 
     def _wide_step(self, wide_rows: int | None) -> Step | None:
-        """An eager Step over ops.wide's float32 (or bf16: copy_dtype) view of the model, in oneDNN's packed layout
-        where torch has it, for forwards of at least wide_rows rows (tokens), however the narrow step runs: eager over
-        packed weights was faster than a compiled step over plain ones (dev/LOG.md). None when not asked for or
-        nothing widens."""
+        """A Step over ops.wide's float32 (or bf16: copy_dtype) view of the model, in oneDNN's packed layout where
+        torch has it, for forwards of at least wide_rows rows (tokens): its decode steps compiled as one graph beside a
+        `full` narrow step (warm_up compiles it; its linears through cpu.packed_linear), else eager (eager over packed
+        weights was faster than a compiled step over plain ones: dev/LOG.md). None when not asked for or nothing
+        widens."""
         if wide_rows is None:
             return None
         if self.device.type != "cpu" or self.decode_step.deterministic:
             raise ValueError("wide_rows (--wide-rows) is a CPU path for the default (not --deterministic) forwards")
         dtype = copy_dtype(self.model, native_bf16(self.device) is not None)
         wide = wide_model(self.model, packed=torch.backends.mkldnn.is_available(), dtype=dtype)
-        return None if wide is None else Step(wide)
+        packed = all(m.packed for m in wide.modules() if isinstance(m, WideLinear)) if wide is not None else False
+        return None if wide is None else Step(wide, "full" if self.decode_step.mode == "full" and packed else "none")
 
     def _step_for(self, rows: int) -> Step:
         """The step that computes a forward of this many rows (decode rows, or a chunk's tokens)."""
@@ -287,14 +289,18 @@ class Engine:
     def warm_up(self) -> list[int]:
         """Compile (capture) the decode step's graphs before the first request, so that none waits for one: one row,
         then more, each at two block-table widths and row counts, after which Dynamo keeps the sizes that changed
-        symbolic; with buckets, every power of two up to max_running (the wide step is eager). Every row writes
-        token 0 at position 0 of the pad block, which no sequence reads. Returns the row counts run."""
+        symbolic; with buckets, every power of two up to max_running; a compiled wide step's graph at wide_rows and
+        one more. Every row writes token 0 at position 0 of the pad block, which no sequence reads. Returns the row
+        counts run."""
         if not self.dynamic:
             return []
         cap = self.config.max_running
         shapes = [(1, 2), (1, 3), (min(2, cap), 2), (min(3, cap), 3)]  # (rows, blocks)
         if self.buckets:
             shapes += [(bucket(n, cap), 2) for n in range(1, cap + 1)]
+        wide = self.config.wide_rows
+        if self.wide_step is not None and self.wide_step.mode != "none" and wide < cap:  # the wide step's graph
+            shapes += [(wide, 2), (wide + 1, 3)]
         for rows, width in shapes:
             self._decode([([0], [0], [0] * width)] * rows)
         return sorted({rows for rows, _ in shapes})

@@ -125,10 +125,10 @@ def test_a_compiled_engine_compiles_at_warm_up_and_never_after(model, mode):
 
 
 @pytest.mark.slow
-def test_a_compiled_engines_wide_step_is_eager_and_answers_as_the_kernels(model):
-    """With wide_rows, the float32 copy's step stays eager (its weights packed for oneDNN) beside a compiled narrow
-    step: warm-up compiles the narrow step only, nothing compiles after it, and a batch of int4 rows decodes the
-    narrow eager engine's greedy tokens."""
+def test_a_compiled_engines_wide_step_is_compiled_and_answers_as_the_kernels(model):
+    """With wide_rows beside a `full` narrow step, the float32 copy's decode steps are a compiled graph of their own
+    (its weights packed for oneDNN, read through cpu.packed_linear): warm-up compiles both steps, nothing compiles
+    after it, and a batch of int4 rows decodes the narrow eager engine's greedy tokens."""
     import torch._dynamo
     from ops.wide import WideLinear
     from quantize import quantize_model
@@ -138,14 +138,17 @@ def test_a_compiled_engines_wide_step_is_eager_and_answers_as_the_kernels(model)
     expected = [greedy_ids(q, p, 10) for p in prompts]
     config = EngineConfig(block_size=4, num_blocks=80, max_running=8, wide_rows=4)
     engine = Engine(q, ToyTokenizer(), config, Step(q, "full"))
-    assert engine.wide_step.mode == "none"
+    assert engine.wide_step.mode == "full"
     assert all(m.packed for m in engine.wide_step.model.modules() if isinstance(m, WideLinear))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    assert engine.warm_up() == [1, 2, 3]
+    assert engine.warm_up() == [1, 2, 3, 4, 5]
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == 3  # the narrow step's one-row and many-row graphs, and the wide step's
     assert [c.tokens for c in engine.generate(prompts, max_new_tokens=10)] == expected
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    eager = Engine(q, ToyTokenizer(), config, Step(q))
+    assert eager.wide_step.mode == "none"  # beside an eager narrow step the copy's steps stay eager
 
 
 def test_prefix_hit_verifies_tokens(model):

@@ -299,8 +299,8 @@ class Engine:
         if self.buckets:
             shapes += [(bucket(n, cap), 2) for n in range(1, cap + 1)]
         wide = self.config.wide_rows
-        if self.wide_step is not None and self.wide_step.mode != "none" and wide < cap:  # the wide step's graph
-            shapes += [(wide, 2), (wide + 1, 3)]
+        if self.wide_step is not None and self.wide_step.mode != "none" and wide <= cap:  # the wide step's graph
+            shapes += [(wide, 2), (min(wide + 1, cap), 3)]
         for rows, width in shapes:
             self._decode([([0], [0], [0] * width)] * rows)
         return sorted({rows for rows, _ in shapes})

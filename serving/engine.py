@@ -129,8 +129,10 @@ class Engine:
             raise ValueError("wide_rows (--wide-rows) is a CPU path for the default (not --deterministic) forwards")
         dtype = copy_dtype(self.model, native_bf16(self.device) is not None)
         wide = wide_model(self.model, packed=torch.backends.mkldnn.is_available(), dtype=dtype)
-        packed = all(m.packed for m in wide.modules() if isinstance(m, WideLinear)) if wide is not None else False
-        return None if wide is None else Step(wide, "full" if self.decode_step.mode == "full" and packed else "none")
+        if wide is None:
+            return None
+        packed = all(m.packed for m in wide.modules() if isinstance(m, WideLinear))
+        return Step(wide, "full" if self.decode_step.mode == "full" and packed else "none")
 
     def _step_for(self, rows: int) -> Step:
         """The step that computes a forward of this many rows (decode rows, or a chunk's tokens)."""

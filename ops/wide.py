@@ -61,10 +61,7 @@ class WideLinear(nn.Module):
         if not self.packed:
             return F.linear(x.to(dtype), self.weight, self.bias).to(x.dtype)  # (..., N)
         rows = x.reshape(-1, self.in_features).to(dtype)  # (M, K)
-        if torch.compiler.is_compiling():  # an op of its own for a compiled step (Inductor's takes no packed input)
-            y = torch.ops.tinyllm.packed_linear(rows, self.weight, self.bias)  # (M, N)
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")  # (M, N)
+        y = torch.ops.tinyllm.packed_linear(rows, self.weight, self.bias)  # (M, N), eager or compiled
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)  # (..., N)
 
 
